@@ -1,0 +1,165 @@
+"""The ``appliance`` command line. Each subcommand is a thin shell over a module that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from appliance.settings import ConfigError, Settings, load_settings
+
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.handler(args) or 0)
+    except ConfigError as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description="Observability-first LLM inference appliance")
+    sub = parser.add_subparsers(title="commands")
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--config", type=Path, help="YAML settings file (APPLIANCE_* environment wins)")
+        return p
+
+    p = with_config(sub.add_parser("serve", help="gateway + engine replicas; drains on SIGTERM"))
+    p.set_defaults(handler=cmd_serve)
+
+    p = with_config(sub.add_parser("up", help="the embedded default: demo model if none configured, then serve"))
+    p.set_defaults(handler=cmd_up)
+
+    p = with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
+    p.add_argument("--show-secrets", action="store_true", help="print api_keys and admin_token in clear")
+    p.add_argument("--engines", action="store_true", help="also print each replica's engine command line")
+    p.set_defaults(handler=cmd_config)
+
+    p = sub.add_parser("demo-model", help="build the tiny demo Llama (offline, deterministic)")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--int8", action="store_true", help="quantize it to W8A8 INT8 after building")
+    p.add_argument("--train-seconds", type=float, default=60.0, help="training time budget")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(handler=cmd_demo_model)
+
+    p = sub.add_parser("quantize", help="BF16/FP16 HF checkpoint -> W8A8 INT8 compressed-tensors checkpoint")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--no-eval", action="store_true", help="skip the quality comparison on held-out text")
+    p.set_defaults(handler=cmd_quantize)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(getattr(args, "config", None))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from appliance.serve import serve
+
+    settings = _settings(args)
+    if settings.model is None:
+        raise ConfigError("model is not set (APPLIANCE_MODEL or `model:` in --config); "
+                          "`appliance up` builds and serves the demo model")
+    if not (settings.model / "config.json").is_file():
+        raise ConfigError(f"model {settings.model} is not a Hugging Face checkpoint directory (no config.json)")
+    _setup_logging(settings.log_level)
+    return serve(settings)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from appliance.serve import serve
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    if settings.model is None:
+        settings = settings.model_copy(update={"model": ensure_demo_model(settings.state_dir / "models")})
+    base = f"http://{settings.host}:{settings.port}"
+    print(f"appliance: gateway {base}/v1  (model '{settings.served_model_name}', {settings.replicas} replica(s))")
+    print(f"appliance: health  {base}/health/ready   engine logs {settings.state_dir / 'logs'}")
+    sys.stdout.flush()
+    return serve(settings)
+
+
+def ensure_demo_model(models_dir: Path) -> Path:
+    """The INT8 demo model under ``models_dir``, built once and reused."""
+    from appliance.model.demo import build_demo_model
+    from appliance.model.quantize import quantize_checkpoint
+
+    bf16, int8 = models_dir / "demo-bf16", models_dir / "demo-int8"
+    if not (int8 / "config.json").is_file():
+        if not (bf16 / "config.json").is_file():
+            print(f"appliance: building the demo model in {bf16} (about a minute, once)", flush=True)
+            build_demo_model(bf16, overwrite=True)
+        print(f"appliance: quantizing it to W8A8 INT8 in {int8}", flush=True)
+        quantize_checkpoint(bf16, int8, evaluate=False)
+    return int8
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    data = settings.model_dump(mode="json")
+    if not args.show_secrets:
+        data["api_keys"] = ["<redacted>"] * len(settings.api_keys)
+        data["admin_token"] = "<redacted>" if settings.admin_token else None
+    print(yaml.safe_dump(data, sort_keys=False), end="")
+    if args.engines and settings.model is not None:
+        from appliance.engine.supervisor import build_specs
+
+        for spec in build_specs(settings, settings.model):
+            env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+            print(f"# {spec.name}: {env} {' '.join(spec.command)}")
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from appliance.model.demo import build_demo_model
+    from appliance.model.quantize import QuantizeError, quantize_checkpoint
+
+    target: Path = args.dir
+    try:
+        if args.int8:
+            bf16 = target.with_name(target.name + ".bf16")
+            summary = {"bf16": build_demo_model(bf16, train_seconds=args.train_seconds, overwrite=args.overwrite)}
+            summary["int8"] = quantize_checkpoint(bf16, target)
+        else:
+            summary = build_demo_model(target, train_seconds=args.train_seconds, overwrite=args.overwrite)
+    except (QuantizeError, ValueError, FileExistsError) as exc:
+        print(f"appliance demo-model: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from appliance.model.quantize import QuantizeError, quantize_checkpoint
+
+    try:
+        summary = quantize_checkpoint(args.src, args.dst, evaluate=not args.no_eval)
+    except QuantizeError as exc:
+        print(f"appliance quantize: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The vLLM command line and environment of one replica, derived from the settings alone.
+
+Keeping this a pure function means `appliance config` can print exactly what will run, and tests can check it
+without starting anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from appliance.engine.placement import Placement
+from appliance.settings import EngineSettings
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def engine_argv(
+    model: Path, served_model_name: str, port: int, engine: EngineSettings, *, host: str = "127.0.0.1"
+) -> list[str]:
+    """vLLM OpenAI-server arguments (without the interpreter), using vLLM's own flag names."""
+    argv = [
+        "--model", str(model),
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(engine.max_model_len),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--dtype", engine.dtype,
+        "--shutdown-timeout", str(engine.shutdown_timeout_seconds),
+        "--disable-uvicorn-access-log",
+    ]
+    optional = {
+        "--max-num-batched-tokens": engine.max_num_batched_tokens,
+        "--block-size": engine.block_size,
+        "--quantization": engine.quantization,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if engine.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    return argv + list(engine.extra_args)
+
+
+def engine_env(placement: Placement, engine: EngineSettings) -> dict[str, str]:
+    """Environment additions: device pinning and the memory budget of the KV cache."""
+    env = placement.env()
+    if placement.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
+    return env
+
+
+def engine_memory_argv(placement: Placement, engine: EngineSettings) -> list[str]:
+    """On GPUs the KV-cache budget is a fraction of device memory; CPUs take it from the environment."""
+    if placement.device == "cuda":
+        return ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    return []
+
+
+def launcher_command(vllm_argv: list[str]) -> list[str]:
+    """The process the supervisor starts: the orphan-proof launcher wrapping the vLLM server."""
+    return [sys.executable, "-m", "appliance.engine.launch", "--", sys.executable, "-m", VLLM_SERVER_MODULE,
+            *vllm_argv]
+

@@ -1,0 +1,261 @@
+"""One engine replica: a vLLM server process, its health, and its life cycle.
+
+A replica owns exactly one launcher process group (see ``appliance.engine.launch``). Its state is what the
+gateway routes on and what /admin and the collectors report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from appliance.engine.launch import GRACE_ENV, PARENT_ENV
+from appliance.engine.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaState(str, enum.Enum):
+    STARTING = "starting"  # process spawned, /health not yet green
+    READY = "ready"  # serving; the gateway routes here
+    UNHEALTHY = "unhealthy"  # process alive but /health failing; not routed
+    DRAINING = "draining"  # alive, finishing in-flight requests; not routed
+    BACKOFF = "backoff"  # crashed; waiting before the next start
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass
+class ReplicaSpec:
+    """Everything needed to (re)start one replica; fixed for the replica's life."""
+
+    index: int
+    port: int
+    command: list[str]
+    env: dict[str, str]
+    placement: Placement
+    log_path: Path
+    start_timeout_seconds: float
+    stop_timeout_seconds: float
+
+    @property
+    def name(self) -> str:
+        return f"replica-{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class ReplicaStatus:
+    """What is known about a replica now; read by the router, /admin and the collectors."""
+
+    state: ReplicaState = ReplicaState.STOPPED
+    pid: int | None = None
+    starts: int = 0
+    restarts: int = 0
+    crashes: int = 0
+    last_exit_code: int | None = None
+    last_start_time: float | None = None  # unix time
+    last_ready_time: float | None = None
+    load_seconds: float | None = None  # spawn to first green /health
+    outstanding: int = 0  # requests the gateway has in flight here
+    consecutive_crashes: int = field(default=0, repr=False)
+
+
+class Replica:
+    """Start, watch, restart and stop one engine process."""
+
+    HEALTH_INTERVAL_SECONDS = 2.0
+    HEALTH_FAILURES_UNHEALTHY = 3
+
+    def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
+        self.spec = spec
+        self.status = ReplicaStatus()
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._proc: subprocess.Popen | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._ready_event = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def routable(self) -> bool:
+        return self.status.state is ReplicaState.READY
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        """Begin the replica's life cycle in the background: spawn, wait healthy, restart on crash."""
+        self._session = session
+        self._stopping = False
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-lifecycle")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Stop the engine gracefully (vLLM's --shutdown-timeout), then kill whatever is left of its group."""
+        self._stopping = True
+        self.status.state = ReplicaState.STOPPING
+        await self._terminate()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.status.state = ReplicaState.STOPPED
+        self.status.pid = None
+
+    async def restart(self) -> None:
+        """Stop and start again (maintenance); counted as a restart, not a crash."""
+        assert self._session is not None, "restart() before start()"
+        await self.stop()
+        self.status.restarts += 1
+        self.start(self._session)
+
+    def drain(self) -> None:
+        """Take the replica out of routing; in-flight requests continue."""
+        if self.status.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            self.status.state = ReplicaState.DRAINING
+
+    def undrain(self) -> None:
+        if self.status.state is ReplicaState.DRAINING:
+            self.status.state = ReplicaState.READY
+
+    # -- life cycle -------------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            self._spawn()
+            code = await self._serve_until_exit()
+            if self._stopping:
+                return
+            self._record_crash(code)
+            delay = self._next_backoff()
+            log.error("%s exited with %s; restarting in %.1fs (log: %s)", self.name, code, delay,
+                      self.spec.log_path)
+            self.status.state = ReplicaState.BACKOFF
+            await asyncio.sleep(delay)
+            self.status.restarts += 1
+
+    def _spawn(self) -> None:
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid()),
+               GRACE_ENV: str(self.spec.stop_timeout_seconds)}
+        with self.spec.log_path.open("ab") as log_file:
+            header = f"\n=== appliance: starting {self.name} ({self.spec.placement.describe()}) at {time.ctime()}\n"
+            log_file.write(header.encode())
+            log_file.flush()
+            # A new session makes the launcher a process-group leader, so the group can be killed as a whole.
+            self._proc = subprocess.Popen(
+                self.spec.command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self._ready_event.clear()
+        self.status.state = ReplicaState.STARTING
+        self.status.pid = self._proc.pid
+        self.status.starts += 1
+        self.status.last_start_time = time.time()
+        log.info("%s starting, pid %d, port %d, %s", self.name, self._proc.pid, self.spec.port,
+                 self.spec.placement.describe())
+
+    async def _serve_until_exit(self) -> int:
+        """Watch the process: mark it ready when /health turns green, unhealthy when it fails; return exit code."""
+        assert self._proc is not None
+        spawned = time.monotonic()
+        failures = 0
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self._kill_group()
+                self._ready_event.clear()
+                return code
+            healthy = await self._probe_health()
+            state = self.status.state
+            if healthy:
+                failures = 0
+                if state is ReplicaState.STARTING:
+                    self._mark_ready(time.monotonic() - spawned)
+                elif state is ReplicaState.UNHEALTHY:
+                    self.status.state = ReplicaState.READY
+            else:
+                failures += 1
+                if state is ReplicaState.READY and failures >= self.HEALTH_FAILURES_UNHEALTHY:
+                    log.warning("%s failed %d health checks; not routing to it", self.name, failures)
+                    self.status.state = ReplicaState.UNHEALTHY
+                if state is ReplicaState.STARTING and time.monotonic() - spawned > self.spec.start_timeout_seconds:
+                    log.error("%s not healthy after %.0fs; killing it", self.name, self.spec.start_timeout_seconds)
+                    self._kill_group()
+            await asyncio.sleep(0.5 if self.status.state is ReplicaState.STARTING else self.HEALTH_INTERVAL_SECONDS)
+
+    def _mark_ready(self, load_seconds: float) -> None:
+        self.status.state = ReplicaState.READY
+        self.status.load_seconds = load_seconds
+        self.status.last_ready_time = time.time()
+        self._ready_event.set()
+        log.info("%s ready after %.1fs at %s", self.name, load_seconds, self.url)
+
+    async def _probe_health(self) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def _record_crash(self, code: int) -> None:
+        self.status.crashes += 1
+        self.status.last_exit_code = code
+        stable_for = time.time() - (self.status.last_ready_time or 0)
+        if self.status.last_ready_time and stable_for > self._backoff_max:
+            self.status.consecutive_crashes = 0
+        self.status.consecutive_crashes += 1
+
+    def _next_backoff(self) -> float:
+        exponent = self.status.consecutive_crashes - 1
+        return min(self._backoff_max, self._backoff_initial * (2 ** exponent))
+
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # Only the launcher: it forwards SIGTERM to the server, which shuts its engine core down in order.
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.spec.stop_timeout_seconds + 5
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        self._kill_group()
+        if proc.poll() is None:
+            proc.wait(timeout=5)
+        self.status.last_exit_code = proc.returncode
+        self._proc = None
+
+    def _kill_group(self) -> None:
+        """SIGKILL the launcher's whole process group: nothing of this replica may outlive it."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)

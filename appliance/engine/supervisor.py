@@ -1,0 +1,89 @@
+"""The engine supervisor: N replicas on disjoint devices, started, watched and stopped together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import aiohttp
+
+from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
+from appliance.engine.placement import detect_device, plan_placements
+from appliance.engine.replica import Replica, ReplicaSpec, ReplicaState
+from appliance.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def build_specs(settings: Settings, model: Path) -> list[ReplicaSpec]:
+    """One spec per replica: its port, its device slice, its command line and its log file."""
+    device = detect_device(settings.device)
+    placements = plan_placements(
+        settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
+    )
+    specs = []
+    for index, placement in enumerate(placements):
+        port = settings.engine_base_port + index
+        argv = engine_argv(model, settings.served_model_name, port, settings.engine)
+        argv += engine_memory_argv(placement, settings.engine)
+        specs.append(
+            ReplicaSpec(
+                index=index,
+                port=port,
+                command=launcher_command(argv),
+                env=engine_env(placement, settings.engine),
+                placement=placement,
+                log_path=settings.state_dir / "logs" / f"engine-{index}.log",
+                start_timeout_seconds=settings.engine.start_timeout_seconds,
+                stop_timeout_seconds=float(settings.engine.shutdown_timeout_seconds),
+            )
+        )
+    return specs
+
+
+class Supervisor:
+    """Owns the replicas. The gateway asks it which replicas exist and in which state they are."""
+
+    def __init__(self, specs: list[ReplicaSpec], *, backoff_initial: float = 1.0, backoff_max: float = 60.0):
+        self.replicas = [Replica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Supervisor:
+        if settings.model is None:
+            raise ValueError("no model configured: set `model` (or run `appliance up` for the demo model)")
+        return cls(
+            build_specs(settings, settings.model),
+            backoff_initial=settings.restart_backoff_initial_seconds,
+            backoff_max=settings.restart_backoff_max_seconds,
+        )
+
+    async def start(self) -> None:
+        """Spawn every replica; returns at once, replicas turn ready in the background."""
+        self._session = aiohttp.ClientSession()
+        for replica in self.replicas:
+            replica.start(self._session)
+
+    async def wait_ready(self, timeout: float, *, count: int | None = None) -> bool:
+        """Wait until ``count`` replicas (default all) are ready."""
+        wanted = len(self.replicas) if count is None else count
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            if len(self.ready()) >= wanted:
+                return True
+            await asyncio.sleep(0.25)
+        return len(self.ready()) >= wanted
+
+    async def stop(self) -> None:
+        """Stop all replicas in parallel; after this no engine process of ours exists."""
+        await asyncio.gather(*(r.stop() for r in self.replicas), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.status.state is ReplicaState.READY]
+
+    def get(self, name: str) -> Replica | None:
+        return next((r for r in self.replicas if r.name == name), None)

@@ -1,0 +1,54 @@
+"""OpenAI-compatible routes. The gateway checks what it must, then forwards the client's bytes to a replica."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from appliance.gateway.auth import require_api_key
+from appliance.gateway.errors import APIError
+from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["openai"])
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    settings = request.app.state.settings
+    card = ModelCard(id=settings.served_model_name, created=int(request.app.state.started_at),
+                     max_model_len=settings.engine.max_model_len)
+    return ModelList(data=[card])
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    _check_common(request, body, body.max_tokens)
+    return await _forward(request, "/v1/completions", body.stream)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    _check_common(request, body, body.max_completion_tokens or body.max_tokens)
+    return await _forward(request, "/v1/chat/completions", body.stream)
+
+
+def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
+    settings = request.app.state.settings
+    if body.model is not None and body.model != settings.served_model_name:
+        raise APIError(404, f"model '{body.model}' does not exist; this appliance serves "
+                            f"'{settings.served_model_name}'", param="model", code="model_not_found")
+    limit = settings.engine.max_model_len
+    if max_tokens is not None and max_tokens > limit:
+        raise APIError(400, f"max_tokens {max_tokens} exceeds the model's max_model_len {limit}",
+                       param="max_tokens", code="max_tokens_too_large")
+    if request.app.state.draining:
+        raise APIError(503, "the appliance is draining; retry on another instance", code="draining",
+                       headers={"Retry-After": "10"})
+
+
+async def _forward(request: Request, path: str, stream: bool) -> Response:
+    body = await request.body()  # cached by Starlette: the exact bytes the client sent
+    request.state.started = time.monotonic()
+    return await request.app.state.upstream.forward(request, path, body, stream=stream)

@@ -1,0 +1,77 @@
+"""``appliance serve``: the gateway and its engines in one process, with a drain on SIGTERM.
+
+Shutdown order matters to clients: first turn not-ready and refuse new requests with 503 (load balancers move
+away), then let in-flight requests and streams finish up to ``drain_timeout_seconds``, then stop the engines,
+then exit 0. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from appliance.engine.supervisor import Supervisor
+from appliance.gateway.app import create_app
+from appliance.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the first SIGTERM/SIGINT drains before it stops accepting."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_timeout = drain_timeout
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's own handler we do not re-raise the signal after shutdown: a drained exit is exit 0.
+        if self._draining or self._loop is None:
+            log.warning("second signal %s: stopping without waiting for in-flight requests", sig)
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        self._draining = True
+        self._app.state.draining = True
+        log.info("signal %s: draining (up to %.0fs), not ready, new requests get 503", sig, self._drain_timeout)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self._drain_timeout
+        while (pending := in_flight(self._app)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if pending:
+            log.warning("drain timeout: %d requests still in flight; stopping anyway", pending)
+        else:
+            log.info("drained: no request in flight")
+        self.should_exit = True
+
+
+def in_flight(app: FastAPI) -> int:
+    return sum(r.status.outstanding for r in app.state.replicas())
+
+
+def serve(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT; return the process exit code."""
+    supervisor = Supervisor.from_settings(settings)
+    app = create_app(settings, supervisor=supervisor)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
+        timeout_graceful_shutdown=5, access_log=False,
+    )
+    server = DrainingServer(config, app, settings.drain_timeout_seconds)
+    server.run()
+    return 0 if server.started else 1

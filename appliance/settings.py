@@ -1,0 +1,166 @@
+"""The appliance's one settings object.
+
+Sources, lowest to highest precedence: defaults, an optional YAML file (``--config``), then environment variables
+``APPLIANCE_<KEY>`` (nested engine keys as ``APPLIANCE_ENGINE__<KEY>``). Invalid values fail at start with a
+message naming the key, never later at request time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class EngineSettings(BaseModel):
+    """Engine settings, named as vLLM names its own flags (``max_model_len`` is ``--max-model-len``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int = Field(1024, ge=16, description="Longest prompt + completion, in tokens.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences batched together per step (continuous batching).")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Token budget per scheduler step; vLLM's default when unset."
+    )
+    block_size: int | None = Field(None, ge=1, description="Paged KV-cache block size in tokens.")
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="CPU hosts: KV-cache space per replica in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU hosts: fraction of device memory vLLM may use (weights + KV cache)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica.")
+    dtype: str = Field("auto", description="Activation dtype (vLLM --dtype).")
+    quantization: str | None = Field(
+        None, description="vLLM --quantization; unset lets vLLM read it from the checkpoint (compressed-tensors)."
+    )
+    shutdown_timeout_seconds: int = Field(
+        10, ge=0, description="vLLM --shutdown-timeout: how long an engine finishes requests on SIGTERM."
+    )
+    start_timeout_seconds: float = Field(
+        300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="More vLLM flags, passed verbatim.")
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _split_args(cls, value: Any) -> Any:
+        return value.split() if isinstance(value, str) else value
+
+
+class Settings(BaseSettings):
+    """Everything the appliance reads at start. See docs/configuration.md for each key."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="APPLIANCE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    model: Path | None = Field(None, description="HF checkpoint directory; `appliance up` builds the demo model.")
+    served_model_name: str = Field("demo", min_length=1, description="Model name clients send.")
+    replicas: int = Field(1, ge=1, le=64, description="Engine replicas (processes).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when NVML sees a GPU.")
+    host: str = Field("127.0.0.1", description="Gateway bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
+    engine_base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
+    )
+    admin_token: str | None = Field(None, description="Bearer token for /admin; unset disables /admin.")
+    slo_ttft_p95_seconds: float = Field(0.8, gt=0, description="Time-to-first-token SLO at P95.")
+    drain_timeout_seconds: float = Field(
+        120, gt=0, description="On SIGTERM, how long in-flight requests may run before engines stop."
+    )
+    state_dir: Path = Field(Path("var"), description="Engine logs and run state live here.")
+    request_timeout_seconds: float = Field(600, gt=0, description="Upper bound for one upstream request.")
+    max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
+    restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
+    restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _ports_do_not_collide(self) -> Settings:
+        engine_ports = range(self.engine_base_port, self.engine_base_port + self.replicas)
+        if self.port in engine_ports:
+            raise ValueError(
+                f"port {self.port} collides with engine ports {engine_ports.start}-{engine_ports.stop - 1}"
+            )
+        if engine_ports.stop - 1 > 65535:
+            raise ValueError("engine_base_port + replicas exceeds 65535")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Explicit arguments win over the environment, which wins over the YAML file, then defaults.
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        yaml_file = settings_cls.model_config.get("yaml_file")
+        if yaml_file:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from an optional YAML file and the environment; raise ConfigError on bad input."""
+    if config_file is not None:
+        _check_yaml(config_file)
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+    try:
+        loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        raise ConfigError(_describe(exc)) from exc
+    return loaded
+
+
+def _check_yaml(path: Path) -> None:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of keys to values")
+
+
+def _describe(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for error in errors():
+        key = ".".join(str(part) for part in error.get("loc", ())) or "config"
+        lines.append(f"{key}: {error.get('msg')}")
+    return "invalid configuration: " + "; ".join(lines)

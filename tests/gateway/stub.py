@@ -1,0 +1,101 @@
+"""A stub OpenAI upstream for unit tests of the gateway's own logic (routing, errors, streaming relay).
+
+It is never what a test claims to verify about serving: those tests run against real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class StubStatus:
+    outstanding: int = 0
+
+
+@dataclass
+class StubReplica:
+    """Satisfies the router's Routable protocol."""
+
+    name: str
+    url: str
+    routable: bool = True
+    status: StubStatus = field(default_factory=StubStatus)
+
+
+class StubUpstream:
+    """An aiohttp server in its own thread; records what it received; can be told to delay or fail."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.headers: list[dict] = []
+        self.delay = 0.0
+        self.fail_status: int | None = None
+        self.chunks = 3
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.aborted = 0
+
+    def start(self) -> StubUpstream:
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        ready.wait(10)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if not self._loop.is_running():
+            return
+
+        async def shutdown() -> None:
+            await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        while self._loop.is_running():
+            threading.Event().wait(0.01)
+
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw)
+        self.received.append({"raw": raw, "body": body})
+        self.headers.append(dict(request.headers))
+        if self.fail_status:
+            return web.json_response({"error": {"message": "stub failure"}}, status=self.fail_status)
+        await asyncio.sleep(self.delay)
+        if not body.get("stream"):
+            return web.json_response({"object": "text_completion", "choices": [{"text": "hello"}]})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(self.chunks):
+                await response.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+                await asyncio.sleep(self.delay)
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.aborted += 1
+            raise
+        return response

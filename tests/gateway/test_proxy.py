@@ -1,0 +1,79 @@
+"""The gateway's own logic against stub upstreams: pass-through, streaming relay, retry rule, routing."""
+
+import json
+
+
+def test_body_passes_through_byte_for_byte(client, stubs):
+    raw = b'{"model": "demo", "prompt": "hi",   "max_tokens": 3, "vendor_field": {"x": 1}}'
+    response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == "hello"
+    received = [r for stub in stubs for r in stub.received]
+    assert [r["raw"] for r in received] == [raw]
+
+
+def test_stream_is_relayed_chunk_by_chunk(client):
+    with client.stream("POST", "/v1/completions",
+                       json={"model": "demo", "prompt": "hi", "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["0", "1", "2"]
+
+
+def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs):
+    client = make_client(api_keys=["secret"])
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    response = client.post("/v1/completions", json={"prompt": "hi"},
+                           headers={"authorization": "Bearer secret", "traceparent": traceparent})
+    assert response.status_code == 200
+    headers = [h for stub in stubs for h in stub.headers][0]
+    assert headers["traceparent"] == traceparent
+    assert "Authorization" not in headers
+
+
+def test_upstream_errors_pass_through_with_their_status(client, stubs):
+    for stub in stubs:
+        stub.fail_status = 400
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "stub failure"
+
+
+def test_unreachable_replica_is_retried_on_another(client, stubs, replicas):
+    stubs[0].stop()  # replica-0 refuses connections: nothing was sent to the client yet
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 200
+    assert response.headers["x-appliance-replica"] == "replica-1"
+    assert all(r.status.outstanding == 0 for r in replicas)
+
+
+def test_all_replicas_unreachable_is_a_502(client, stubs):
+    for stub in stubs:
+        stub.stop()
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_error"
+
+
+def test_no_ready_replica_is_a_503_with_retry_after(client, replicas):
+    for replica in replicas:
+        replica.routable = False
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 503
+    assert "retry-after" in response.headers
+    assert client.get("/health/ready").status_code == 503
+    assert client.get("/health/live").status_code == 200
+
+
+def test_least_outstanding_replica_wins(client, replicas):
+    replicas[0].status.outstanding = 3
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.headers["x-appliance-replica"] == "replica-1"
+    assert replicas[0].status.outstanding == 3 and replicas[1].status.outstanding == 0
+
+
+def test_models_lists_the_served_model(client):
+    body = client.get("/v1/models").json()
+    assert [m["id"] for m in body["data"]] == ["demo"]

@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+
+from appliance.settings import ConfigError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("APPLIANCE_"):
+            monkeypatch.delenv(key)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "appliance.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_match_the_contract():
+    settings = load_settings()
+    assert settings.port == 8000
+    assert settings.host == "127.0.0.1"
+    assert settings.api_keys == []
+    assert settings.engine.max_model_len > 0
+
+
+def test_yaml_then_environment_wins(tmp_path, monkeypatch):
+    config = write(tmp_path, "replicas: 2\nengine:\n  max_model_len: 512\n  max_num_seqs: 4\n")
+    monkeypatch.setenv("APPLIANCE_ENGINE__MAX_MODEL_LEN", "256")
+    monkeypatch.setenv("APPLIANCE_API_KEYS", "k1, k2")
+    settings = load_settings(config)
+    assert settings.replicas == 2
+    assert settings.engine.max_model_len == 256
+    assert settings.engine.max_num_seqs == 4
+    assert settings.api_keys == ["k1", "k2"]
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("replicas: 0\n", "replicas"),
+        ("engine:\n  max_model_len: many\n", "engine.max_model_len"),
+        ("no_such_key: 1\n", "no_such_key"),
+        ("engine:\n  typo_len: 1\n", "typo_len"),
+        ("port: 8100\nengine_base_port: 8100\n", "collides"),
+        ("- a list\n", "mapping"),
+        ("replicas: [\n", "not valid YAML"),
+    ],
+)
+def test_invalid_config_is_a_clear_error(tmp_path, text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_settings(write(tmp_path, text))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "absent.yaml")
+
+
+def test_invalid_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_PORT", "eighty")
+    with pytest.raises(ConfigError, match="port"):
+        load_settings()
