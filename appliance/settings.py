@@ -61,6 +61,49 @@ class EngineSettings(BaseModel):
         return value.split() if isinstance(value, str) else value
 
 
+class RoutingSettings(BaseModel):
+    """Passive outlier ejection: replicas that fail or lag are taken out of routing for a backoff period."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    eject_consecutive_failures: int = Field(
+        3, ge=1, description="Upstream failures in a row (connect errors, 5xx, timeouts) that eject a replica."
+    )
+    eject_base_seconds: float = Field(5.0, gt=0, description="First ejection period; doubles per re-ejection.")
+    eject_max_seconds: float = Field(120.0, gt=0, description="Cap of the ejection period.")
+    latency_outlier_factor: float = Field(
+        3.0, gt=1, description="Eject a replica whose TTFT average exceeds this multiple of its peers' median."
+    )
+    latency_outlier_min_seconds: float = Field(
+        0.5, ge=0, description="...and exceeds the peers' median by at least this much (ignores tiny values)."
+    )
+    metrics_poll_seconds: float = Field(
+        1.0, gt=0, description="How often each engine's /metrics is read for KV-cache usage and queue length."
+    )
+    metrics_stale_seconds: float = Field(5.0, gt=0, description="Engine metrics older than this count as unknown.")
+
+
+class AdmissionSettings(BaseModel):
+    """SLA-driven admission: a bounded gateway queue in front of an adaptive per-replica concurrency limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Off: every request goes straight to a replica (no 429s, no queue).")
+    max_queue: int = Field(256, ge=0, description="Requests that may wait in the gateway; beyond it: 429.")
+    queue_timeout_seconds: float = Field(
+        10.0, gt=0, description="Longest a request waits in the gateway queue before a 429."
+    )
+    initial_limit: int | None = Field(
+        None, ge=1, description="Starting concurrency limit per replica; default engine.max_num_seqs."
+    )
+    min_limit: int = Field(1, ge=1, description="The limit never drops below this.")
+    max_limit: int | None = Field(None, ge=1, description="The limit never exceeds this; default engine.max_num_seqs.")
+    decrease_factor: float = Field(0.9, gt=0, lt=1, description="Multiplicative cut when TTFT misses the target.")
+    target_ttft_fraction: float = Field(
+        0.8, gt=0, le=1, description="Per-request TTFT target as a fraction of slo_ttft_p95_seconds (headroom)."
+    )
+
+
 class Settings(BaseSettings):
     """Everything the appliance reads at start. See docs/configuration.md for each key."""
 
@@ -91,8 +134,16 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
     restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
     restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."
+    )
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Fraction of new traces recorded when an OTLP endpoint is set."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
 
     @field_validator("api_keys", mode="before")
     @classmethod

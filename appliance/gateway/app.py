@@ -7,13 +7,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
 
 from appliance.engine.supervisor import Supervisor
+from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.engine_load import EngineLoadPoller
 from appliance.gateway.errors import install_error_handlers
-from appliance.gateway.limits import BodySizeLimit
+from appliance.gateway.limits import RequestIntake
+from appliance.gateway.metrics import FleetCollector, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Routable, Router
-from appliance.gateway.routes import health, openai
+from appliance.gateway.routes import health, metrics, openai
+from appliance.gateway.tracing import build_tracer_provider
 from appliance.settings import Settings
 
 
@@ -22,6 +28,8 @@ def create_app(
     *,
     supervisor: Supervisor | None = None,
     replicas: Callable[[], Sequence[Routable]] | None = None,
+    registry: CollectorRegistry | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> FastAPI:
     """Build the gateway. With a supervisor it owns the engines' life; ``replicas`` alone serves a fixed set
     (tests with stub upstreams, or engines run by someone else)."""
@@ -30,31 +38,58 @@ def create_app(
             raise ValueError("create_app needs a supervisor or a replicas provider")
         replicas = lambda: supervisor.replicas  # noqa: E731
 
-    router = Router(replicas)
-    upstream = Upstream(router, timeout_seconds=settings.request_timeout_seconds)
+    registry = registry if registry is not None else CollectorRegistry()
+    limits = ConcurrencyLimits(_limit_factory(settings))
+    router = Router(replicas, settings.routing, limit_for=limits.limit_of)
+    admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
+                          else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds)
+    request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
+    registry.register(FleetCollector(router, admission, replicas))
+    tracer_provider = build_tracer_provider(settings, span_exporter)
+    upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
+                        timeout_seconds=settings.request_timeout_seconds)
+    poller = EngineLoadPoller(router, settings.routing.metrics_poll_seconds)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await upstream.open()
         if supervisor is not None:
             await supervisor.start()
+        poller.start()
         try:
             yield
         finally:
+            await poller.stop()
             if supervisor is not None:
                 await supervisor.stop()
             await upstream.close()
+            tracer_provider.shutdown()
 
     app = FastAPI(title="appliance gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.supervisor = supervisor
     app.state.replicas = replicas
     app.state.router = router
+    app.state.admission = admission
     app.state.upstream = upstream
+    app.state.registry = registry
+    app.state.metrics = request_metrics
+    app.state.tracer_provider = tracer_provider
     app.state.draining = False
     app.state.started_at = time.time()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes)
     app.include_router(openai.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     return app
+
+
+def _limit_factory(settings: Settings) -> Callable[[], AIMDLimit] | None:
+    admission = settings.admission
+    if not admission.enabled:
+        return None
+    ceiling = admission.max_limit or settings.engine.max_num_seqs
+    initial = admission.initial_limit or ceiling
+    target = settings.slo_ttft_p95_seconds * admission.target_ttft_fraction
+    return lambda: AIMDLimit(initial, admission.min_limit, ceiling, target, admission.decrease_factor)

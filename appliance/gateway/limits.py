@@ -1,9 +1,11 @@
-"""Request-size limit as pure ASGI middleware: checked before any body is buffered, with or without
+"""Request intake as pure ASGI middleware: stamps each request's arrival time (latency is measured from it, so
+time spent in the gateway counts) and enforces the size limit before any body is buffered, with or without
 Content-Length (chunked uploads are counted as they arrive)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,7 +16,7 @@ class BodyTooLarge(Exception):
     pass
 
 
-class BodySizeLimit:
+class RequestIntake:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -23,6 +25,7 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope["appliance.arrived"] = time.monotonic()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._reject(send)

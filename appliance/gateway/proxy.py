@@ -1,31 +1,64 @@
-"""Forwarding one request to a replica: bodies pass through as bytes, streams chunk by chunk, no buffering."""
+"""Forwarding one request to a replica: bodies pass through as bytes, streams chunk by chunk, no buffering.
+
+Retry rule: a request goes to another replica only when its replica failed before anything was sent to the
+client (connection refused or reset, or a 502/503/504 answer). Once the first byte is out, a failure ends the
+stream with an error event instead.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
 
+from appliance.gateway.admission import Admission
 from appliance.gateway.errors import APIError, error_body
-from appliance.gateway.router import Routable, Router
+from appliance.gateway.metrics import RequestMetrics
+from appliance.gateway.router import Outcome, Routable
+from appliance.gateway.tracing import RequestTrace
 
 log = logging.getLogger(__name__)
 
 # Headers worth carrying to the engine; the client's Authorization is the gateway's business, not vLLM's.
-FORWARDED_HEADERS = ("content-type", "traceparent", "tracestate", "x-request-id")
+FORWARDED_HEADERS = ("content-type", "x-request-id")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+
+class RetryableUpstreamError(Exception):
+    """The replica failed before the client saw a byte; another replica may take the request."""
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the gateway."""
+
+    route: str
+    path: str
+    body: bytes
+    stream: bool
+    arrived: float  # monotonic
+    headers: dict[str, str]
+    trace: RequestTrace
+    tried: set[str] = field(default_factory=set)
 
 
 class Upstream:
-    """One pooled HTTP client for all replicas, plus the retry rule: another replica only before the first byte."""
+    """One pooled HTTP client for all replicas, plus admission, retries, metrics and spans around it."""
 
-    def __init__(self, router: Router, *, timeout_seconds: float, max_attempts: int = 2) -> None:
-        self.router = router
+    def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
+                 timeout_seconds: float, max_attempts: int = 2) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.tracer = tracer
         self.max_attempts = max_attempts
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
@@ -40,62 +73,167 @@ class Upstream:
             await self._session.close()
             self._session = None
 
-    async def forward(self, request: Request, path: str, body: bytes, *, stream: bool) -> Response:
-        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-        tried: set[str] = set()
-        last_error: Exception | None = None
-        for _ in range(self.max_attempts):
-            replica = self.router.acquire(exclude=tried)
-            try:
-                return await self._send(replica, path, body, headers, stream=stream)
-            except UPSTREAM_ERRORS as exc:  # nothing reached the client yet: safe to try another replica
-                self.router.release(replica)
-                tried.add(replica.name)
-                last_error = exc
-                log.warning("%s failed before first byte (%s); retrying elsewhere", replica.name, exc)
-                if not self.router.any_ready():
-                    break
-        raise APIError(502, f"upstream failed: {type(last_error).__name__}", code="upstream_error")
+    async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
+                      arrived: float) -> Response:
+        exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
+                            headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
+                            trace=RequestTrace(self.tracer, route, request.headers))
+        try:
+            response = await self._forward_with_retry(exchange)
+        except APIError as exc:
+            self._finish(exchange, exc.status)
+            raise
+        except BaseException:
+            self._finish(exchange, 499)  # cancelled: the client went away
+            raise
+        if not isinstance(response, StreamingResponse):
+            self._finish(exchange, response.status_code)
+        return response
 
-    async def _send(
-        self, replica: Routable, path: str, body: bytes, headers: dict[str, str], *, stream: bool
-    ) -> Response:
+    async def _forward_with_retry(self, exchange: Exchange) -> Response:
+        last_error = "no attempt"
+        for _ in range(self.max_attempts):
+            replica = await self._admit(exchange)
+            try:
+                return await self._send(replica, exchange)
+            except RetryableUpstreamError as exc:
+                exchange.tried.add(replica.name)
+                last_error = str(exc)
+                log.warning("%s failed before first byte (%s); retrying elsewhere", replica.name, exc)
+                if not self.admission.router.any_eligible(exchange.tried):
+                    break
+        raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
+
+    async def _admit(self, exchange: Exchange) -> Routable:
+        span = exchange.trace.child("gateway.queue_wait")
+        queued_at = time.monotonic()
+        try:
+            replica = await self.admission.acquire(frozenset(exchange.tried))
+        finally:
+            self.metrics.queue_wait.observe(time.monotonic() - queued_at)
+            span.end()
+        exchange.trace.root.set_attribute("appliance.replica", replica.name)
+        return replica
+
+    async def _send(self, replica: Routable, exchange: Exchange) -> Response:
         assert self._session is not None, "Upstream.open() not called"
-        upstream = await self._session.post(replica.url + path, data=body, headers=headers, timeout=self._timeout)
-        if stream and upstream.status == 200:
+        span = exchange.trace.child("gateway.upstream", trace.SpanKind.CLIENT, **{"appliance.replica": replica.name})
+        headers = exchange.trace.propagate(span, dict(exchange.headers))
+        try:
+            upstream = await self._session.post(replica.url + exchange.path, data=exchange.body, headers=headers,
+                                                timeout=self._timeout)
+        except UPSTREAM_ERRORS as exc:
+            span.end()
+            self.admission.release(replica, Outcome.FAILURE)
+            raise RetryableUpstreamError(type(exc).__name__) from exc
+        except BaseException:
+            span.end()
+            self.admission.release(replica, Outcome.ABORTED)
+            raise
+        if upstream.status in RETRYABLE_STATUS:
+            upstream.release()
+            span.end()
+            self.admission.release(replica, Outcome.FAILURE)
+            raise RetryableUpstreamError(f"HTTP {upstream.status}")
+        if exchange.stream and upstream.status == 200:
             return StreamingResponse(
-                self._relay(upstream, replica),
+                self._relay(upstream, replica, exchange, span),
                 status_code=200,
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-appliance-replica": replica.name},
             )
+        return await self._read_whole(upstream, replica, exchange, span)
+
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+                          span: trace.Span) -> Response:
+        outcome = Outcome.ABORTED
         try:
             content = await upstream.read()
+            outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
+            if upstream.status >= 500:
+                outcome = Outcome.FAILURE
+        except UPSTREAM_ERRORS as exc:  # died mid-body: the client has seen nothing yet
+            outcome = Outcome.FAILURE
+            raise RetryableUpstreamError(type(exc).__name__) from exc
         finally:
             upstream.release()
-        self.router.release(replica)
-        return Response(
-            content=content,
-            status_code=upstream.status,
-            media_type=upstream.headers.get("content-type", "application/json"),
-            headers={"x-appliance-replica": replica.name},
-        )
+            span.end()
+            self.admission.release(replica, outcome)
+        if outcome is Outcome.SUCCESS:
+            self.metrics.observe_usage(_usage(content))
+        return Response(content=content, status_code=upstream.status,
+                        media_type=upstream.headers.get("content-type", "application/json"),
+                        headers={"x-appliance-replica": replica.name})
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Routable) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+                     span: trace.Span) -> AsyncIterator[bytes]:
         """Yield the engine's SSE bytes as they arrive; a client disconnect closes the upstream connection,
         which makes vLLM abort the request."""
-        completed = False
+        outcome, status = Outcome.ABORTED, 499
+        first = last = None
+        chunks = 0
+        tail = b""
+        stream_span = exchange.trace.child("gateway.stream")
         try:
             async for chunk in upstream.content.iter_any():
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    span.add_event("first_token")
+                    span.end()
+                else:
+                    self.metrics.itl.labels(exchange.route).observe(now - last)
+                last = now
+                chunks += chunk.count(b"data: ")
+                tail = chunk[-2048:]
                 yield chunk
-            completed = True
+            outcome, status = Outcome.SUCCESS, 200
         except UPSTREAM_ERRORS as exc:
+            outcome, status = Outcome.FAILURE, 502
             log.warning("%s failed mid-stream: %s", replica.name, exc)
             message = f"upstream replica failed mid-stream: {type(exc).__name__}"
             yield f"data: {json.dumps(error_body(502, message, code='upstream_error'))}\n\n".encode()
         finally:
-            if completed:
+            if outcome is Outcome.SUCCESS:
                 upstream.release()
             else:
                 upstream.close()
-            self.router.release(replica)
+            ttft = None if first is None else first - exchange.arrived
+            self.admission.release(replica, outcome, ttft if outcome is Outcome.SUCCESS else None)
+            stream_span.end()
+            self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
+            self._finish(exchange, status)
+
+    def _observe_stream(self, exchange: Exchange, ttft: float | None, first: float | None, last: float | None,
+                        chunks: int, tail: bytes, outcome: Outcome) -> None:
+        if outcome is not Outcome.SUCCESS or ttft is None:
+            return
+        self.metrics.ttft.labels(exchange.route).observe(ttft)
+        usage = _stream_usage(tail)
+        self.metrics.observe_usage(usage)
+        # Tokens from the engine's usage report when the client asked for it, else one per content event
+        # (vLLM streams one token per event; the final "[DONE]" is not one).
+        tokens = (usage or {}).get("completion_tokens") or max(0, chunks - 1)
+        if tokens > 1 and last is not None and first is not None:
+            self.metrics.tpot.labels(exchange.route).observe((last - first) / (tokens - 1))
+
+    def _finish(self, exchange: Exchange, status: int) -> None:
+        self.metrics.requests.labels(exchange.route, str(status)).inc()
+        if status < 400:
+            self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)
+        exchange.trace.finish(status)
+
+
+def _usage(content: bytes) -> dict | None:
+    try:
+        return json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _stream_usage(tail: bytes) -> dict | None:
+    """The usage object of the last data event before [DONE], present when the client asked for it."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return _usage(line[6:])
+    return None

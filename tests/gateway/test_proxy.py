@@ -29,7 +29,9 @@ def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs)
                            headers={"authorization": "Bearer secret", "traceparent": traceparent})
     assert response.status_code == 200
     headers = [h for stub in stubs for h in stub.headers][0]
-    assert headers["traceparent"] == traceparent
+    # Same trace, and the engine's parent is the gateway's upstream span, not the client's.
+    assert headers["traceparent"].split("-")[1] == traceparent.split("-")[1]
+    assert headers["traceparent"].split("-")[2] != traceparent.split("-")[2]
     assert "Authorization" not in headers
 
 

@@ -25,13 +25,13 @@ async def list_models(request: Request) -> ModelList:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     _check_common(request, body, body.max_tokens)
-    return await _forward(request, "/v1/completions", body.stream)
+    return await _forward(request, "completions", "/v1/completions", body.stream)
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     _check_common(request, body, body.max_completion_tokens or body.max_tokens)
-    return await _forward(request, "/v1/chat/completions", body.stream)
+    return await _forward(request, "chat", "/v1/chat/completions", body.stream)
 
 
 def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
@@ -48,7 +48,7 @@ def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequ
                        headers={"Retry-After": "10"})
 
 
-async def _forward(request: Request, path: str, stream: bool) -> Response:
+async def _forward(request: Request, route: str, path: str, stream: bool) -> Response:
+    arrived = request.scope.get("appliance.arrived", time.monotonic())
     body = await request.body()  # cached by Starlette: the exact bytes the client sent
-    request.state.started = time.monotonic()
-    return await request.app.state.upstream.forward(request, path, body, stream=stream)
+    return await request.app.state.upstream.forward(request, route, path, body, stream=stream, arrived=arrived)

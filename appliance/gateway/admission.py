@@ -1,0 +1,137 @@
+"""SLA-driven admission control: an adaptive concurrency limit per replica and a bounded gateway queue.
+
+The seed's "adjust the batch from queue length and compute load", made a feedback loop: each replica's limit
+grows by one request per limit's worth of requests that met the TTFT target (additive increase) and shrinks by a
+factor when one misses it or fails (multiplicative decrease, at most once per limit's worth of completions so one
+slow burst is one cut). Requests beyond the fleet's limits wait in a FIFO queue; when the queue is full, or a
+request waited longer than its queue timeout, the gateway answers 429 with Retry-After instead of letting every
+request miss its SLA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+
+from appliance.gateway.errors import APIError
+from appliance.gateway.router import Outcome, Routable, Router
+
+
+class AIMDLimit:
+    """Additive-increase / multiplicative-decrease concurrency limit driven by per-request TTFT."""
+
+    def __init__(self, initial: float, minimum: float, maximum: float, target_seconds: float,
+                 decrease_factor: float = 0.9) -> None:
+        self.value = float(min(max(initial, minimum), maximum))
+        self.minimum = float(minimum)
+        self.maximum = float(maximum)
+        self.target_seconds = target_seconds
+        self.decrease_factor = decrease_factor
+        self._since_decrease = math.inf
+
+    @property
+    def limit(self) -> int:
+        return max(int(self.minimum), int(self.value))
+
+    def on_sample(self, ttft_seconds: float | None, *, failed: bool = False) -> None:
+        self._since_decrease += 1
+        if failed or (ttft_seconds is not None and ttft_seconds > self.target_seconds):
+            if self._since_decrease >= self.value:  # one cut per limit's worth of completions
+                self.value = max(self.minimum, self.value * self.decrease_factor)
+                self._since_decrease = 0
+        elif ttft_seconds is not None:
+            self.value = min(self.maximum, self.value + 1.0 / self.value)
+
+
+class ConcurrencyLimits:
+    """One AIMD limit per replica, created on first use; unlimited when admission control is off."""
+
+    UNLIMITED = 1 << 30
+
+    def __init__(self, factory: Callable[[], AIMDLimit] | None) -> None:
+        self._factory = factory
+        self._limits: dict[str, AIMDLimit] = {}
+
+    def limit_of(self, name: str) -> int:
+        if self._factory is None:
+            return self.UNLIMITED
+        return self._get(name).limit
+
+    def on_sample(self, name: str, ttft_seconds: float | None, *, failed: bool) -> None:
+        if self._factory is not None:
+            self._get(name).on_sample(ttft_seconds, failed=failed)
+
+    def _get(self, name: str) -> AIMDLimit:
+        if name not in self._limits:
+            self._limits[name] = self._factory()
+        return self._limits[name]
+
+
+class Admission:
+    """Hands out replicas under their limits; queues the rest, bounded in length and in time."""
+
+    def __init__(self, router: Router, limits: ConcurrencyLimits, *, max_queue: int,
+                 queue_timeout_seconds: float) -> None:
+        self.router = router
+        self.limits = limits
+        self.max_queue = max_queue
+        self.queue_timeout_seconds = queue_timeout_seconds
+        self._waiters: deque[asyncio.Future] = deque()
+        self.rejected = {"queue_full": 0, "queue_timeout": 0}
+
+    @property
+    def queue_length(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def acquire(self, exclude: frozenset[str] = frozenset()) -> Routable:
+        replica = self.router.try_acquire(exclude)
+        if replica is not None:
+            return replica
+        if not self.router.any_eligible(exclude):
+            raise APIError(503, "no ready replica; retry shortly", code="no_ready_replica",
+                           headers={"Retry-After": "5"})
+        if self.queue_length >= self.max_queue:
+            self.rejected["queue_full"] += 1
+            raise self._overloaded("gateway queue is full")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
+        except asyncio.TimeoutError:
+            if waiter.done() and not waiter.cancelled():  # handed a replica at the last moment: give it back
+                self.release(waiter.result(), Outcome.ABORTED)
+            waiter.cancel()
+            self.rejected["queue_timeout"] += 1
+            raise self._overloaded(f"waited {self.queue_timeout_seconds:.0f}s in the gateway queue") from None
+        except asyncio.CancelledError:  # the client went away while queued
+            if waiter.done() and not waiter.cancelled():
+                self.release(waiter.result(), Outcome.ABORTED)
+            waiter.cancel()
+            raise
+
+    def limit_of(self, name: str) -> int:
+        return self.limits.limit_of(name)
+
+    def release(self, replica: Routable, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+        self.router.release(replica, outcome, ttft_seconds)
+        if outcome in (Outcome.SUCCESS, Outcome.FAILURE):
+            self.limits.on_sample(replica.name, ttft_seconds, failed=outcome is Outcome.FAILURE)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give freed capacity to the oldest waiters."""
+        while self._waiters:
+            if self._waiters[0].done():
+                self._waiters.popleft()
+                continue
+            replica = self.router.try_acquire()
+            if replica is None:
+                return
+            self._waiters.popleft().set_result(replica)
+
+    def _overloaded(self, why: str) -> APIError:
+        retry_after = max(1, math.ceil(self.queue_timeout_seconds / 2))
+        return APIError(429, f"over capacity: {why}; retry after {retry_after}s", code="over_capacity",
+                        headers={"Retry-After": str(retry_after)})

@@ -1,0 +1,89 @@
+"""Reads each engine's own /metrics on a short interval: KV-cache usage and queue length for routing, and a
+probe for ejected replicas whose ejection period is over.
+
+Only a handful of lines of vLLM's page are needed, so they are picked out by name rather than by parsing the
+whole exposition (which is ~100 KB per engine and would cost far more CPU every second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from appliance.gateway.router import EngineLoad, Router
+
+log = logging.getLogger(__name__)
+
+WANTED = {
+    b"vllm:kv_cache_usage_perc": "kv_cache_usage",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:num_requests_running": "running",
+}
+
+
+def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
+    """Sum the wanted gauges over their label sets (one engine may report several model/engine labels)."""
+    values: dict[str, float] = {}
+    for line in page.split(b"\n"):
+        if not line.startswith(b"vllm:"):
+            continue
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        field = WANTED.get(name)
+        if field is None:
+            continue
+        try:
+            values[field] = values.get(field, 0.0) + float(line.rsplit(b" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+    return EngineLoad(read_at=read_at, **values)
+
+
+class EngineLoadPoller:
+    def __init__(self, router: Router, interval_seconds: float) -> None:
+        self.router = router
+        self.interval = interval_seconds
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=max(1.0, self.interval)))
+        self._task = asyncio.create_task(self._run(), name="engine-load-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.poll_once()
+            except Exception:  # the poller must never die; a bad page is logged and retried
+                log.exception("engine load poll failed")
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def poll_once(self) -> None:
+        due = set(self.router.due_for_probe())
+        targets = [r for r in self.router.replicas() if r.routable or r.name in due]
+        results = await asyncio.gather(*(self._read(r.url) for r in targets))
+        for replica, load in zip(targets, results, strict=True):
+            if load is not None:
+                self.router.update_load(replica.name, load)
+            if replica.name in due:
+                self.router.probe_result(replica.name, ok=load is not None)
+
+    async def _read(self, url: str) -> EngineLoad | None:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{url}/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                return parse_engine_load(await resp.read(), time.monotonic())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None

@@ -1,0 +1,102 @@
+"""The gateway's Prometheus metrics: latency as clients see it, and the fleet's state read at scrape time.
+
+Request metrics are observed on the request path (a few microseconds each). Everything that is state (replica
+states, outstanding requests, limits, queue length, ejections, restarts) is read from the live objects when
+Prometheus scrapes, by a custom collector, so it can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.engine.replica import ReplicaState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
+                   60.0, 120.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+def buckets_with(base: Iterable[float], thresholds: Iterable[float]) -> tuple[float, ...]:
+    """Histogram buckets that include the SLO thresholds, so burn-rate rules on them are exact."""
+    return tuple(sorted(set(base) | {float(t) for t in thresholds}))
+
+
+class RequestMetrics:
+    """Per-request observations, labelled by route (``completions`` / ``chat``) and status code."""
+
+    def __init__(self, registry: CollectorRegistry, *, slo_ttft_seconds: float,
+                 slo_e2e_seconds: float | None = None) -> None:
+        ttft_buckets = buckets_with(LATENCY_BUCKETS, [slo_ttft_seconds])
+        e2e_buckets = buckets_with(LATENCY_BUCKETS, [slo_e2e_seconds] if slo_e2e_seconds else [])
+        self.requests = Counter("appliance_requests", "Requests answered by the gateway, by route and HTTP status.",
+                                ["route", "code"], registry=registry)
+        self.ttft = Histogram("appliance_request_ttft_seconds",
+                              "Time to first token as the client sees it (streamed requests): from arrival at "
+                              "the gateway to the first streamed chunk.", ["route"], buckets=ttft_buckets,
+                              registry=registry)
+        self.e2e = Histogram("appliance_request_e2e_seconds",
+                             "End-to-end request latency at the gateway, arrival to last byte.", ["route"],
+                             buckets=e2e_buckets, registry=registry)
+        self.itl = Histogram("appliance_request_itl_seconds",
+                             "Inter-token latency: gap between consecutive streamed chunks (one token each).",
+                             ["route"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("appliance_request_tpot_seconds",
+                              "Time per output token of a streamed request: (E2E - TTFT) / (chunks - 1).",
+                              ["route"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("appliance_request_queue_wait_seconds",
+                                    "Time a request waited in the gateway's admission queue.",
+                                    buckets=buckets_with(LATENCY_BUCKETS, [0.001]), registry=registry)
+        self.tokens = Counter("appliance_tokens", "Tokens processed, from the engines' usage reports.",
+                              ["kind"], registry=registry)
+
+    def observe_usage(self, usage: dict | None) -> None:
+        if not usage:
+            return
+        self.tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
+        self.tokens.labels("completion").inc(usage.get("completion_tokens") or 0)
+
+
+class FleetCollector(Collector):
+    """Replica and admission state, read from the live objects at scrape time."""
+
+    def __init__(self, router, admission, replicas) -> None:
+        self._router = router
+        self._admission = admission
+        self._replicas = replicas
+
+    def collect(self) -> Iterable[Metric]:
+        replicas = list(self._replicas())
+        state = GaugeMetricFamily("appliance_replica_state", "1 for the state each replica is in.",
+                                  labels=["replica", "state"])
+        outstanding = GaugeMetricFamily("appliance_replica_outstanding_requests",
+                                        "Requests the gateway has in flight at each replica.", labels=["replica"])
+        limit = GaugeMetricFamily("appliance_replica_concurrency_limit",
+                                  "Adaptive concurrency limit of each replica (admission control).",
+                                  labels=["replica"])
+        ejected = GaugeMetricFamily("appliance_replica_ejected", "1 while a replica is ejected from routing.",
+                                    labels=["replica"])
+        ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
+                                        labels=["replica"])
+        for replica in replicas:
+            current = getattr(replica.status, "state", None)
+            for candidate in ReplicaState:
+                state.add_metric([replica.name, candidate.value], 1.0 if current is candidate else 0.0)
+            outstanding.add_metric([replica.name], replica.status.outstanding)
+            limit.add_metric([replica.name], self._admission.limit_of(replica.name))
+            health = self._router.health_of(replica.name)
+            ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
+            ejections.add_metric([replica.name], health.ejections)
+        yield from (state, outstanding, limit, ejected, ejections)
+        yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
+                                value=sum(r.status.outstanding for r in replicas))
+        yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
+                                value=self._admission.queue_length)
+        rejected = CounterMetricFamily("appliance_admission_rejections",
+                                       "Requests answered 429 by admission control, by reason.", labels=["reason"])
+        for reason, count in self._admission.rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected

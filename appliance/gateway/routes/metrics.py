@@ -1,0 +1,28 @@
+"""Prometheus exposition of the gateway's registry, and HTTP service discovery of the engines' /metrics."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter(tags=["observability"])
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/sd/targets")
+async def sd_targets(request: Request) -> list[dict]:
+    """Prometheus HTTP SD: one target group per replica, so Prometheus scrapes vLLM's own metrics directly."""
+    settings = request.app.state.settings
+    groups = []
+    for replica in request.app.state.replicas():
+        address = urlsplit(replica.url).netloc
+        groups.append({"targets": [address], "labels": {"replica": replica.name,
+                                                        "model": settings.served_model_name}})
+    return groups

@@ -1,0 +1,80 @@
+"""OpenTelemetry tracing for the gateway: one span per request with children per hop, context sent to vLLM.
+
+The tracer provider lives on the app (not the process-global one), so tests and several apps in one process do
+not share state. Without an OTLP endpoint nothing is recorded unless the client's own traceparent says
+"sampled"; the context is still propagated to the engine, so vLLM's own spans join the caller's trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from appliance.settings import Settings
+
+PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def build_tracer_provider(settings: Settings, exporter: SpanExporter | None = None) -> TracerProvider:
+    ratio = settings.trace_sample_ratio if (settings.otlp_traces_endpoint or exporter) else 0.0
+    provider = TracerProvider(resource=Resource.create({"service.name": "appliance-gateway"}),
+                              sampler=ParentBased(TraceIdRatioBased(ratio)))
+    if exporter is None and settings.otlp_traces_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=settings.otlp_traces_endpoint)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def extract_context(headers: Mapping[str, str]):
+    """The caller's trace context from its ``traceparent``/``tracestate`` headers, if any."""
+    return PROPAGATOR.extract(carrier=dict(headers))
+
+
+def inject_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Add ``traceparent`` for the current span to headers going to the engine."""
+    PROPAGATOR.inject(carrier=headers)
+    return headers
+
+
+def current_span() -> trace.Span:
+    return trace.get_current_span()
+
+
+class RequestTrace:
+    """The spans of one gateway request: ``gateway.request`` with children for queue wait, upstream until the
+    first token, and the stream. Contexts are passed explicitly, so nothing leaks across requests."""
+
+    def __init__(self, tracer: trace.Tracer, route: str, headers: Mapping[str, str]) -> None:
+        self._tracer = tracer
+        self.root = tracer.start_span(f"gateway {route}", context=extract_context(headers),
+                                      kind=trace.SpanKind.SERVER, attributes={"appliance.route": route})
+        self._ctx = trace.set_span_in_context(self.root)
+        self._open: list[trace.Span] = []
+
+    def child(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL, **attributes) -> trace.Span:
+        span = self._tracer.start_span(name, context=self._ctx, kind=kind, attributes=attributes)
+        self._open.append(span)
+        return span
+
+    def propagate(self, span: trace.Span, headers: dict[str, str]) -> dict[str, str]:
+        """Headers for the engine carrying ``span`` as the parent of vLLM's own spans."""
+        PROPAGATOR.inject(carrier=headers, context=trace.set_span_in_context(span))
+        return headers
+
+    def finish(self, status_code: int) -> None:
+        for span in self._open:
+            if span.is_recording() and span.end_time is None:
+                span.end()
+        self.root.set_attribute("http.response.status_code", status_code)
+        if status_code >= 500:
+            self.root.set_status(trace.StatusCode.ERROR)
+        self.root.end()

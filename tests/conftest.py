@@ -1,0 +1,38 @@
+"""Shared fixtures: the demo model is built once per code version and reused across runs and test modules."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model_code_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "appliance" / "model").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def demo_models_dir() -> Path:
+    """Where demo models for tests live: keyed by the model code's hash, so a code change rebuilds them."""
+    root = Path(os.environ.get("APPLIANCE_TEST_CACHE", REPO / "var" / "test-cache"))
+    return root / f"models-{_model_code_hash()}"
+
+
+@pytest.fixture(scope="session")
+def demo_model_int8(demo_models_dir: Path) -> Path:
+    """The INT8 (W8A8) demo model, as `appliance up` builds it."""
+    from appliance.cli import ensure_demo_model
+
+    return ensure_demo_model(demo_models_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_model_bf16(demo_model_int8: Path) -> Path:
+    return demo_model_int8.with_name("demo-bf16")

@@ -1,0 +1,92 @@
+"""Admission control: AIMD limits and the bounded, timed gateway queue."""
+
+import asyncio
+
+import pytest
+
+from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.errors import APIError
+from appliance.gateway.router import Outcome, Router
+from tests.gateway.stub import StubReplica
+
+
+def test_aimd_grows_under_target_and_cuts_once_per_window():
+    limit = AIMDLimit(initial=4, minimum=1, maximum=8, target_seconds=0.5)
+    for _ in range(20):
+        limit.on_sample(0.1)
+    assert limit.limit > 4
+    before = limit.value
+    limit.on_sample(2.0)
+    assert limit.value == pytest.approx(before * 0.9)
+    limit.on_sample(2.0)  # same burst: not cut again
+    assert limit.value == pytest.approx(before * 0.9)
+    for _ in range(200):
+        limit.on_sample(0.1)
+    assert limit.limit == 8  # never above the ceiling
+    for _ in range(2000):
+        limit.on_sample(None, failed=True)
+    assert limit.limit == 1  # never below the floor
+
+
+def make(limit: int = 1, max_queue: int = 2, timeout: float = 0.2):
+    replicas = [StubReplica("replica-0", "http://r0")]
+    limits = ConcurrencyLimits(lambda: AIMDLimit(limit, 1, limit, target_seconds=1.0))
+    router = Router(lambda: replicas, limit_for=limits.limit_of)
+    return Admission(router, limits, max_queue=max_queue, queue_timeout_seconds=timeout), replicas
+
+
+def test_queued_request_gets_the_freed_slot_in_order():
+    async def scenario():
+        admission, (replica,) = make()
+        first = await admission.acquire()
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.01)
+        assert admission.queue_length == 1 and not waiter.done()
+        admission.release(first, Outcome.SUCCESS, 0.1)
+        assert await waiter is replica
+        assert replica.status.outstanding == 1
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_and_queue_timeout_are_429_with_retry_after():
+    async def scenario():
+        admission, (replica,) = make(max_queue=1, timeout=0.1)
+        await admission.acquire()
+        waiting = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as full:
+            await admission.acquire()
+        assert full.value.status == 429 and full.value.headers["Retry-After"]
+        with pytest.raises(APIError) as timed_out:
+            await waiting
+        assert timed_out.value.status == 429
+        assert admission.rejected == {"queue_full": 1, "queue_timeout": 1}
+        assert replica.status.outstanding == 1  # nothing leaked
+
+    asyncio.run(scenario())
+
+
+def test_no_ready_replica_is_503_not_a_queue():
+    async def scenario():
+        admission, (replica,) = make()
+        replica.routable = False
+        with pytest.raises(APIError) as exc:
+            await admission.acquire()
+        assert exc.value.status == 503
+
+    asyncio.run(scenario())
+
+
+def test_cancelled_waiter_gives_back_its_slot():
+    async def scenario():
+        admission, (replica,) = make()
+        first = await admission.acquire()
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        admission.release(first, Outcome.SUCCESS)
+        assert replica.status.outstanding == 0
+
+    asyncio.run(scenario())

@@ -1,0 +1,53 @@
+"""The gateway's /metrics: request histograms with SLO buckets, fleet state read at scrape time, SD targets."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(client) -> dict[str, list]:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
+
+
+def value(samples, name, **labels) -> float:
+    return next(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_stream_latency_and_counts_are_recorded(client, stubs):
+    for stub in stubs:
+        stub.delay = 0.02  # separate chunks in time, so there are inter-token gaps to measure
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+        list(response.iter_lines())
+    client.post("/v1/completions", json={"prompt": "hi"})
+    client.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
+    families = scrape(client)
+    requests = families["appliance_requests"]
+    assert value(requests, "appliance_requests_total", route="completions", code="200") == 2
+    ttft = families["appliance_request_ttft_seconds"]
+    assert value(ttft, "appliance_request_ttft_seconds_count", route="completions") == 1
+    assert value(families["appliance_request_itl_seconds"], "appliance_request_itl_seconds_count",
+                 route="completions") >= 2
+
+
+def test_ttft_buckets_include_the_slo(make_client):
+    client = make_client(slo_ttft_p95_seconds=0.65)
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+        list(response.iter_lines())
+    buckets = {s.labels["le"] for s in scrape(client)["appliance_request_ttft_seconds"] if s.name.endswith("bucket")}
+    assert "0.65" in buckets
+
+
+def test_fleet_state_is_exported(client, replicas):
+    replicas[1].status.outstanding = 2
+    families = scrape(client)
+    assert value(families["appliance_replica_outstanding_requests"], "appliance_replica_outstanding_requests",
+                 replica="replica-1") == 2
+    assert value(families["appliance_queue_length"], "appliance_queue_length") == 0
+    assert value(families["appliance_replica_concurrency_limit"], "appliance_replica_concurrency_limit",
+                 replica="replica-0") >= 1
+
+
+def test_sd_targets_list_every_engine(client, stubs):
+    groups = client.get("/sd/targets").json()
+    assert [g["targets"] for g in groups] == [[f"127.0.0.1:{stub.port}"] for stub in stubs]
+    assert groups[0]["labels"] == {"replica": "replica-0", "model": "demo"}

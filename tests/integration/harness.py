@@ -1,0 +1,146 @@
+"""Run a real ``appliance serve`` (real vLLM engines) as a subprocess, the way an operator runs it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def free_port_range(count: int) -> int:
+    """A base port with ``count`` consecutive free ports above it."""
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        if all(_port_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def is_engine_process(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+        return "vllm.entrypoints" in cmdline or "appliance.engine.launch" in cmdline or "EngineCore" in proc.name() \
+            or "EngineCore" in cmdline
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+@dataclass
+class ApplianceProcess:
+    model: Path
+    state_dir: Path
+    replicas: int = 2
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    port: int = 0
+    engine_pids_seen: set[int] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ApplianceProcess:
+        base = free_port_range(self.replicas + 1)
+        self.port = base + self.replicas
+        env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+        env.update({
+            "APPLIANCE_MODEL": str(self.model),
+            "APPLIANCE_REPLICAS": str(self.replicas),
+            "APPLIANCE_PORT": str(self.port),
+            "APPLIANCE_ENGINE_BASE_PORT": str(base),
+            "APPLIANCE_STATE_DIR": str(self.state_dir),
+            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
+            "APPLIANCE_ENGINE__MAX_NUM_SEQS": "32",
+            "APPLIANCE_ENGINE__KV_CACHE_SPACE_GIB": "1",
+            "APPLIANCE_ENGINE__SHUTDOWN_TIMEOUT_SECONDS": "5",
+            "APPLIANCE_RESTART_BACKOFF_INITIAL_SECONDS": "0.5",
+            "APPLIANCE_DRAIN_TIMEOUT_SECONDS": "60",
+            **self.env,
+        })
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.state_dir / "appliance.log").open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve"], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
+
+    def ready_replicas(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/health/ready", timeout=2).json().get("ready_replicas", 0)
+        except (httpx.HTTPError, ValueError):
+            return 0
+
+    def wait_ready(self, replicas: int | None = None, timeout: float = 300) -> None:
+        wanted = self.replicas if replicas is None else replicas
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, f"appliance exited:\n{self.log_tail()}"
+            if self.ready_replicas() >= wanted:
+                self.engine_pids_seen |= {p.pid for p in self.engine_processes()}
+                return
+            time.sleep(1)
+        raise TimeoutError(f"{wanted} replicas not ready after {timeout}s:\n{self.log_tail()}")
+
+    def engine_processes(self) -> list[psutil.Process]:
+        assert self.proc is not None
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        return [p for p in children if is_engine_process(p)]
+
+    def vllm_server_pid(self, replica_index: int) -> int:
+        """The vLLM API server of one replica (the launcher's child)."""
+        for proc in self.engine_processes():
+            cmdline = proc.cmdline()
+            if "vllm.entrypoints.openai.api_server" in cmdline and "appliance.engine.launch" not in cmdline:
+                port = cmdline[cmdline.index("--port") + 1]
+                if int(port) == self.engine_port(replica_index):
+                    return proc.pid
+        raise LookupError(f"no vLLM server for replica {replica_index}")
+
+    def engine_port(self, replica_index: int) -> int:
+        return self.port - self.replicas + replica_index
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def leftover_engine_processes(self) -> list[int]:
+        """Engine processes this appliance started that still exist (should be none after stop)."""
+        alive = []
+        for pid in self.engine_pids_seen:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE and is_engine_process(proc):
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.state_dir / "appliance.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

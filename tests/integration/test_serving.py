@@ -1,0 +1,135 @@
+"""End to end against real vLLM CPU engines serving the INT8 demo model through the gateway.
+
+One appliance (2 replicas) is shared by the module; the tests run in file order and the last one drains and
+stops it, so keep the SIGTERM test last.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.harness import ApplianceProcess
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def appliance(demo_model_int8, tmp_path_factory):
+    app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2)
+    app.start()
+    try:
+        app.wait_ready(timeout=400)
+        yield app
+    finally:
+        app.stop(signal.SIGKILL if app.proc.poll() is None else signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(appliance):
+    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completion_through_the_gateway(client):
+    response = client.completions.create(model="demo", prompt="The class statement", max_tokens=16)
+    assert response.choices[0].text
+    assert response.usage.completion_tokens == 16
+
+
+def test_streamed_chat_completion(client):
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "What is a module?"}], max_tokens=16, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert chunks[-1].usage.completion_tokens == 16
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+
+
+def test_engines_run_the_int8_kernel(appliance):
+    logs = [(appliance.state_dir / "logs" / f"engine-{i}.log").read_text() for i in range(appliance.replicas)]
+    for log in logs:
+        assert "compressed-tensors" in log or "CompressedTensors" in log
+        assert "Int8" in log or "int8" in log
+
+
+def test_both_replicas_serve_traffic(appliance):
+    def one(_: int) -> str:
+        response = httpx.post(f"{appliance.url}/v1/completions", timeout=60,
+                              json={"model": "demo", "prompt": "Exceptions", "max_tokens": 48, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.headers["x-appliance-replica"]
+
+    with ThreadPoolExecutor(8) as pool:
+        served_by = list(pool.map(one, range(16)))
+    assert set(served_by) == {"replica-0", "replica-1"}
+
+
+def test_killed_engine_is_restarted_while_the_appliance_keeps_answering(appliance):
+    victim = appliance.vllm_server_pid(0)
+    failures: list[str] = []
+    answered = 0
+    stop = threading.Event()
+
+    def load() -> None:
+        nonlocal answered
+        while not stop.is_set():
+            response = httpx.post(f"{appliance.url}/v1/completions", timeout=60,
+                                  json={"model": "demo", "prompt": "Lists", "max_tokens": 8})
+            if response.status_code == 200:
+                answered += 1
+            else:
+                failures.append(f"{response.status_code} {response.text[:200]}")
+
+    workers = [threading.Thread(target=load) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    time.sleep(2)
+    import os
+
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while appliance.ready_replicas() != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # keep the load on while only replica-1 serves
+    stop.set()
+    for worker in workers:
+        worker.join()
+    assert not failures, failures
+    assert answered > 0
+    appliance.wait_ready(timeout=300)  # the supervisor restarted replica-0
+    assert appliance.vllm_server_pid(0) != victim
+    assert "replica-0 exited with 137" in appliance.log_tail(400)
+
+
+def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
+    """Last in this module: it stops the shared appliance."""
+    body = {"model": "demo", "prompt": "The import system", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        events.append(next(lines))
+        appliance.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
+        refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=5)
+        events.extend(line for line in lines if line)
+    assert ready.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # ran to max_tokens, not cut short
+    assert appliance.proc.wait(timeout=120) == 0
+    time.sleep(1)
+    assert appliance.leftover_engine_processes() == []
