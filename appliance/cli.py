@@ -49,6 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", action="store_true", help="also print each replica's engine command line")
     p.set_defaults(handler=cmd_config)
 
+    p = sub.add_parser("status", help="replicas, state, load, KV usage, restarts (admin API)")
+    _admin_flags(p)
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(handler=cmd_status)
+
+    p = sub.add_parser("drain", help="take a replica out of routing; in-flight requests finish")
+    _admin_flags(p)
+    p.add_argument("replica", help="e.g. replica-0")
+    p.add_argument("--undo", action="store_true", help="return a drained replica to routing")
+    p.set_defaults(handler=cmd_drain)
+
+    p = sub.add_parser("restart", help="drain a replica, let it finish, restart its engine")
+    _admin_flags(p)
+    p.add_argument("replica", help="e.g. replica-0")
+    p.set_defaults(handler=cmd_restart)
+
     p = sub.add_parser("demo-model", help="build the tiny demo Llama (offline, deterministic)")
     p.add_argument("dir", type=Path)
     p.add_argument("--int8", action="store_true", help="quantize it to W8A8 INT8 after building")
@@ -62,6 +78,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the quality comparison on held-out text")
     p.set_defaults(handler=cmd_quantize)
     return parser
+
+
+def _admin_flags(p: argparse.ArgumentParser) -> None:
+    from appliance.admin_client import DEFAULT_URL, TOKEN_ENV
+
+    p.add_argument("--url", default=DEFAULT_URL, help=f"gateway URL (default {DEFAULT_URL}); token from ${TOKEN_ENV}")
+
+
+def _admin(action):
+    """Run an admin action; its failures are one clear line on stderr and exit code 1."""
+    from appliance.admin_client import AdminError
+
+    try:
+        return action()
+    except AdminError as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from appliance.admin_client import call, format_status
+
+    status = _admin(lambda: call(args.url, "GET", "/admin/status"))
+    if status is None:
+        return 1
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from appliance.admin_client import call
+
+    action = "undrain" if args.undo else "drain"
+    result = _admin(lambda: call(args.url, "POST", f"/admin/replicas/{args.replica}/{action}"))
+    if result is None:
+        return 1
+    print(f"{result['name']}: {result['state']}, {result['outstanding']} request(s) in flight")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from appliance.admin_client import call
+
+    result = _admin(lambda: call(args.url, "POST", f"/admin/replicas/{args.replica}/restart"))
+    if result is None:
+        return 1
+    print(f"{args.replica}: restart accepted (drains first); follow with `appliance status`")
+    return 0
 
 
 def _settings(args: argparse.Namespace) -> Settings:

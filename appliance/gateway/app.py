@@ -18,7 +18,7 @@ from appliance.gateway.limits import RequestIntake
 from appliance.gateway.metrics import FleetCollector, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Routable, Router
-from appliance.gateway.routes import health, metrics, openai
+from appliance.gateway.routes import admin, health, metrics, openai
 from appliance.gateway.tracing import build_tracer_provider
 from appliance.settings import Settings
 
@@ -76,12 +76,14 @@ def create_app(
     app.state.metrics = request_metrics
     app.state.tracer_provider = tracer_provider
     app.state.draining = False
+    app.state.background = set()  # admin tasks in flight, kept referenced until done
     app.state.started_at = time.time()
     install_error_handlers(app)
     app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes)
     app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    app.include_router(admin.router)
     return app
 
 

@@ -21,6 +21,8 @@ WANTED = {
     b"vllm:kv_cache_usage_perc": "kv_cache_usage",
     b"vllm:num_requests_waiting": "waiting",
     b"vllm:num_requests_running": "running",
+    b"vllm:prompt_tokens_total": "prompt_tokens_total",
+    b"vllm:generation_tokens_total": "generation_tokens_total",
 }
 
 

@@ -53,6 +53,8 @@ class EngineLoad:
     kv_cache_usage: float | None = None  # 0..1
     waiting: float | None = None
     running: float | None = None
+    prompt_tokens_total: float | None = None  # counters: rates are taken by whoever needs them
+    generation_tokens_total: float | None = None
     read_at: float = -math.inf  # monotonic
 
 

@@ -27,6 +27,12 @@ class StubReplica:
     routable: bool = True
     status: StubStatus = field(default_factory=StubStatus)
 
+    def drain(self) -> None:
+        self.routable = False
+
+    def undrain(self) -> None:
+        self.routable = True
+
 
 class StubUpstream:
     """An aiohttp server in its own thread; records what it received; can be told to delay or fail."""

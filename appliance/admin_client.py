@@ -1,0 +1,57 @@
+"""``appliance status | drain | restart``: the admin API from a shell, for runbooks.
+
+Standard library only: these commands must work from a bare shell on the host during an incident.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
+
+
+class AdminError(RuntimeError):
+    """The admin call failed; the message is what the operator needs to see."""
+
+
+def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise AdminError(f"{TOKEN_ENV} is not set: export the appliance's admin token first")
+    request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method, data=b"" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise AdminError(f"{method} {path}: HTTP {exc.code}: {message}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise AdminError(f"cannot reach the appliance at {url}: {exc}") from exc
+
+
+def format_status(status: dict) -> str:
+    lines = [f"model {status['model']}  ready {status['ready_replicas']}/{len(status['replicas'])}  "
+             f"in-flight {status['in_flight']}  queued {status['queue_length']}"
+             + ("  DRAINING" if status["draining"] else "")]
+    header = f"{'replica':<12} {'state':<10} {'where':<10} {'out':>4} {'limit':>5} {'kv':>5} {'wait':>5} " \
+             f"{'restarts':>8} {'load_s':>7}"
+    lines.append(header)
+    for r in status["replicas"]:
+        kv = "-" if r["kv_cache_usage"] is None else f"{r['kv_cache_usage']:.0%}"
+        waiting = "-" if r["engine_waiting"] is None else f"{r['engine_waiting']:.0f}"
+        load = "-" if r["model_load_seconds"] is None else f"{r['model_load_seconds']:.1f}"
+        state = r["state"] + ("*" if r["ejected"] else "")
+        lines.append(f"{r['name']:<12} {state:<10} {r['placement'] or '-':<10} {r['outstanding']:>4} "
+                     f"{r['concurrency_limit']:>5} {kv:>5} {waiting:>5} {r['restarts'] or 0:>8} {load:>7}")
+    if any(r["ejected"] for r in status["replicas"]):
+        lines.append("* ejected from routing: " + "; ".join(
+            f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
+    return "\n".join(lines)
