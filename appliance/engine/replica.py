@@ -71,6 +71,7 @@ class ReplicaStatus:
     last_ready_time: float | None = None
     load_seconds: float | None = None  # spawn to first green /health
     outstanding: int = 0  # requests the gateway has in flight here
+    planned_restart: bool = False  # a maintenance restart: requests may wait for it instead of failing
     consecutive_crashes: int = field(default=0, repr=False)
 
 
@@ -131,6 +132,7 @@ class Replica:
     async def restart(self) -> None:
         """Stop and start again (maintenance); counted as a restart, not a crash."""
         assert self._session is not None, "restart() before start()"
+        self.status.planned_restart = True
         await self.stop()
         self.status.restarts += 1
         self.start(self._session)
@@ -212,6 +214,7 @@ class Replica:
 
     def _mark_ready(self, load_seconds: float) -> None:
         self.status.state = ReplicaState.READY
+        self.status.planned_restart = False
         self.status.load_seconds = load_seconds
         self.status.last_ready_time = time.time()
         self._ready_event.set()

@@ -89,7 +89,7 @@ class Admission:
         replica = self.router.try_acquire(exclude)
         if replica is not None:
             return replica
-        if not self.router.any_eligible(exclude):
+        if not self.router.any_eligible(exclude) and not self.router.capacity_expected():
             raise APIError(503, "no ready replica; retry shortly", code="no_ready_replica",
                            headers={"Retry-After": "5"})
         if self.queue_length >= self.max_queue:

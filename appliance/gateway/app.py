@@ -48,7 +48,7 @@ def create_app(
     tracer_provider = build_tracer_provider(settings, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.request_timeout_seconds)
-    poller = EngineLoadPoller(router, settings.routing.metrics_poll_seconds)
+    poller = EngineLoadPoller(router, settings.routing.metrics_poll_seconds, on_poll=admission.dispatch)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -44,8 +45,9 @@ def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
 
 
 class EngineLoadPoller:
-    def __init__(self, router: Router, interval_seconds: float) -> None:
+    def __init__(self, router: Router, interval_seconds: float, on_poll: Callable[[], None] = lambda: None) -> None:
         self.router = router
+        self.on_poll = on_poll  # e.g. admission's dispatch: a replica that just became ready takes queued work
         self.interval = interval_seconds
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -66,6 +68,7 @@ class EngineLoadPoller:
             started = time.monotonic()
             try:
                 await self.poll_once()
+                self.on_poll()
             except Exception:  # the poller must never die; a bad page is logged and retried
                 log.exception("engine load poll failed")
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))

@@ -48,6 +48,7 @@ class Exchange:
     arrived: float  # monotonic
     headers: dict[str, str]
     trace: RequestTrace
+    request: Request
     tried: set[str] = field(default_factory=set)
 
 
@@ -77,7 +78,7 @@ class Upstream:
                       arrived: float) -> Response:
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
-                            trace=RequestTrace(self.tracer, route, request.headers))
+                            trace=RequestTrace(self.tracer, route, request.headers), request=request)
         try:
             response = await self._forward_with_retry(exchange)
         except APIError as exc:
@@ -148,7 +149,7 @@ class Upstream:
                           span: trace.Span) -> Response:
         outcome = Outcome.ABORTED
         try:
-            content = await upstream.read()
+            content = await _read_unless_disconnected(upstream, exchange.request)
             outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
             if upstream.status >= 500:
                 outcome = Outcome.FAILURE
@@ -222,6 +223,23 @@ class Upstream:
         if status < 400:
             self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)
         exchange.trace.finish(status)
+
+
+async def _read_unless_disconnected(upstream: aiohttp.ClientResponse, request: Request) -> bytes:
+    """The whole upstream body, unless the client leaves first: then cancel, so that closing the upstream
+    connection makes vLLM abort the generation instead of finishing it for nobody."""
+    reading = asyncio.ensure_future(upstream.read())
+    # The body is already consumed, so the next ASGI message can only be the client's disconnect.
+    watching = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if not reading.done():
+        reading.cancel()
+        upstream.close()
+        raise asyncio.CancelledError("client disconnected")
+    return reading.result()
 
 
 def _usage(content: bytes) -> dict | None:

@@ -102,6 +102,10 @@ class Router:
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return bool(self.eligible(exclude))
 
+    def capacity_expected(self) -> bool:
+        """A replica is down for a planned restart and will be back: worth queueing for, not a 503."""
+        return any(getattr(r.status, "planned_restart", False) for r in self._replicas())
+
     def any_ready(self) -> bool:
         return any(r.routable for r in self._replicas())
 

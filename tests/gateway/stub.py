@@ -16,6 +16,7 @@ from aiohttp import web
 @dataclass
 class StubStatus:
     outstanding: int = 0
+    planned_restart: bool = False
 
 
 @dataclass

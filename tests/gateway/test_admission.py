@@ -90,3 +90,19 @@ def test_cancelled_waiter_gives_back_its_slot():
         assert replica.status.outstanding == 0
 
     asyncio.run(scenario())
+
+
+def test_requests_wait_for_a_replica_in_planned_restart():
+    async def scenario():
+        admission, (replica,) = make(timeout=2)
+        replica.routable = False
+        replica.status.planned_restart = True  # the only replica is being restarted by maintenance
+        waiter = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        replica.routable = True
+        replica.status.planned_restart = False
+        admission.dispatch()  # what the engine-load poller does every interval
+        assert await waiter is replica
+
+    asyncio.run(scenario())
