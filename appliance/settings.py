@@ -20,6 +20,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from appliance.collectors.settings import CollectorSettings
+
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says which key and why."""
@@ -144,6 +146,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    collectors: CollectorSettings = Field(default_factory=CollectorSettings)
 
     @field_validator("api_keys", mode="before")
     @classmethod

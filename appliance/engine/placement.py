@@ -27,7 +27,8 @@ class Placement:
 
     def env(self) -> dict[str, str]:
         if self.device == "cuda":
-            return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpus)}
+            # PCI bus order makes CUDA's device numbers the same as NVML's, so `gpu` labels name the right card.
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in self.gpus)}
         return {"VLLM_CPU_OMP_THREADS_BIND": _core_list(self.cores)}
 
     def describe(self) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
+from appliance.collectors import engine_stats_env
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
 from appliance.engine.placement import detect_device, plan_placements
 from appliance.engine.replica import Replica, ReplicaSpec, ReplicaState
@@ -32,7 +33,8 @@ def build_specs(settings: Settings, model: Path) -> list[ReplicaSpec]:
                 index=index,
                 port=port,
                 command=launcher_command(argv),
-                env=engine_env(placement, settings.engine),
+                env={**engine_env(placement, settings.engine),
+                     **engine_stats_env(settings.collectors, settings.state_dir)},
                 placement=placement,
                 log_path=settings.state_dir / "logs" / f"engine-{index}.log",
                 start_timeout_seconds=settings.engine.start_timeout_seconds,

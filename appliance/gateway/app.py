@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
+from appliance.collectors import register_collectors
 from appliance.engine.supervisor import Supervisor
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
 from appliance.gateway.engine_load import EngineLoadPoller
@@ -45,6 +46,8 @@ def create_app(
                           else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds)
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
     registry.register(FleetCollector(router, admission, replicas))
+    register_collectors(registry, replicas=replicas, router_load=lambda: router.load, settings=settings.collectors,
+                        model_dir=settings.model, state_dir=settings.state_dir)
     tracer_provider = build_tracer_provider(settings, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.request_timeout_seconds)

@@ -29,7 +29,7 @@ def test_cpu_memory_budget_goes_to_the_environment():
     assert engine_env(cpu, engine) == {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
     assert engine_memory_argv(cpu, engine) == []
     gpu = Placement("cuda", gpus=(0,))
-    assert engine_env(gpu, engine) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert engine_env(gpu, engine) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0"}
     assert engine_memory_argv(gpu, EngineSettings(gpu_memory_utilization=0.8)) == ["--gpu-memory-utilization",
                                                                                   "0.8"]
 

@@ -1,0 +1,100 @@
+"""KV-cache occupancy and queue length per replica, and each replica's life cycle.
+
+The engine readings are the ones the router already polls every second from each engine's /metrics (no second
+poll of a ~100 KB page per scrape). They are re-exported under the gateway's own names, labelled by replica,
+so that a rule or a dashboard can join them with the gateway's view (outstanding requests, limits) without
+relabelling the engines' ``vllm:`` series. A reading older than ``max_age`` is omitted, not shown as 0: an
+engine that stopped answering has an unknown queue, not an empty one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from appliance.collectors.base import Clock, CollectorHealth, SafeCollector
+
+# (EngineLoad attribute, metric name, help)
+LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("kv_cache_usage", "appliance_engine_kv_cache_usage_ratio",
+     "Fraction (0..1) of the replica's KV-cache blocks in use, as its engine last reported."),
+    ("waiting", "appliance_engine_requests_waiting",
+     "Requests queued inside the replica's engine (not yet scheduled), as it last reported."),
+    ("running", "appliance_engine_requests_running",
+     "Requests the replica's engine is running (in the continuous batch), as it last reported."),
+)
+
+
+class EngineCollector(SafeCollector):
+    name = "engine"
+
+    def __init__(self, replicas: Callable[[], Sequence[Any]], router_load: Callable[[], dict[str, Any]], *,
+                 max_age_seconds: float = 5.0, health: CollectorHealth | None = None,
+                 clock: Clock = time.monotonic) -> None:
+        super().__init__(health)
+        self._replicas = replicas
+        self._router_load = router_load
+        self._max_age = max_age_seconds
+        self._clock = clock
+
+    def families(self) -> Iterable[Metric]:
+        sources: set[str] = set()
+        page: list[Metric] = []
+        replicas = list(self._replicas())
+        with self.source("engine_load"):
+            loads = self._fresh_loads()
+            if loads:
+                sources.add("engine_load")
+            page += _load_families(loads)
+        with self.source("replica_status"):
+            page += _lifecycle_families(replicas)
+            if replicas:
+                sources.add("replica_status")
+        self.health.set_sources(self.name, sources)
+        return page
+
+    def _fresh_loads(self) -> dict[str, Any]:
+        now = self._clock()
+        return {name: load for name, load in self._router_load().items() if now - load.read_at <= self._max_age}
+
+
+def _load_families(loads: dict[str, Any]) -> list[Metric]:
+    families = []
+    for attribute, metric, doc in LOAD_GAUGES:
+        family = GaugeMetricFamily(metric, doc, labels=["replica"])
+        for name, load in sorted(loads.items()):
+            value = getattr(load, attribute, None)
+            if value is not None:
+                family.add_metric([name], float(value))
+        families.append(family)
+    return families
+
+
+def _lifecycle_families(replicas: list[Any]) -> list[Metric]:
+    starts = CounterMetricFamily("appliance_replica_starts", "Engine processes started for the replica (first "
+                                 "start, restarts after crashes and maintenance restarts).", labels=["replica"])
+    restarts = CounterMetricFamily("appliance_replica_restarts", "Restarts of the replica, after a crash or by "
+                                   "maintenance (drain + restart).", labels=["replica"])
+    crashes = CounterMetricFamily("appliance_replica_crashes", "Times the replica's engine exited without being "
+                                  "asked to.", labels=["replica"])
+    load = GaugeMetricFamily("appliance_replica_model_load_seconds", "Seconds from spawning the replica's engine to "
+                             "its first healthy /health at its latest start (model load + warm-up).",
+                             labels=["replica"])
+    restarted = GaugeMetricFamily("appliance_replica_last_restart_timestamp_seconds", "Unix time of the replica's "
+                                  "latest restart (absent until it has restarted once).", labels=["replica"])
+    for replica in replicas:
+        status = getattr(replica, "status", None)
+        if status is None:
+            continue
+        name = replica.name
+        starts.add_metric([name], getattr(status, "starts", 0) or 0)
+        restarts.add_metric([name], getattr(status, "restarts", 0) or 0)
+        crashes.add_metric([name], getattr(status, "crashes", 0) or 0)
+        if getattr(status, "load_seconds", None) is not None:
+            load.add_metric([name], status.load_seconds)
+        if (getattr(status, "starts", 0) or 0) > 1 and getattr(status, "last_start_time", None) is not None:
+            restarted.add_metric([name], status.last_start_time)
+    return [starts, restarts, crashes, load, restarted]
