@@ -13,9 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
-
 
 pytestmark = pytest.mark.engine
 
