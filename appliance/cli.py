@@ -140,6 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.serve import serve
 
     settings = _settings(args)
+    if settings.engine_urls:
+        _setup_logging(settings.log_level)
+        return serve(settings)
     if settings.model is None:
         raise ConfigError("model is not set (APPLIANCE_MODEL or `model:` in --config); "
                           "`appliance up` builds and serves the demo model")

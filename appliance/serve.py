@@ -16,6 +16,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
 from appliance.gateway.app import create_app
 from appliance.settings import Settings
@@ -66,7 +67,7 @@ def in_flight(app: FastAPI) -> int:
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
-    supervisor = Supervisor.from_settings(settings)
+    supervisor = ExternalFleet(settings.engine_urls) if settings.engine_urls else Supervisor.from_settings(settings)
     app = create_app(settings, supervisor=supervisor)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",

@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Gateway bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
     engine_base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
+    engine_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Route to these engines (comma-separated URLs) instead of starting any."
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
     )
@@ -148,7 +151,7 @@ class Settings(BaseSettings):
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):

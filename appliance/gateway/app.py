@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
 from appliance.collectors import register_collectors
+from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
 from appliance.gateway.engine_load import EngineLoadPoller
@@ -27,7 +28,7 @@ from appliance.settings import Settings
 def create_app(
     settings: Settings,
     *,
-    supervisor: Supervisor | None = None,
+    supervisor: Supervisor | ExternalFleet | None = None,
     replicas: Callable[[], Sequence[Routable]] | None = None,
     registry: CollectorRegistry | None = None,
     span_exporter: SpanExporter | None = None,

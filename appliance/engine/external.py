@@ -1,0 +1,84 @@
+"""Engines the appliance does not run itself (started by an orchestrator, or another host's vLLM): the gateway
+routes to them by URL and follows their health, but never starts, restarts or stops them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from appliance.engine.replica import ReplicaState, ReplicaStatus
+
+log = logging.getLogger(__name__)
+
+
+class ExternalReplica:
+    HEALTH_INTERVAL_SECONDS = 2.0
+    HEALTH_FAILURES_UNHEALTHY = 3
+
+    def __init__(self, index: int, url: str) -> None:
+        self.name = f"external-{index}"
+        self.url = url.rstrip("/")
+        self.status = ReplicaStatus(state=ReplicaState.STARTING)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.status.state is ReplicaState.READY
+
+    def drain(self) -> None:
+        if self.status.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            self.status.state = ReplicaState.DRAINING
+
+    def undrain(self) -> None:
+        if self.status.state is ReplicaState.DRAINING:
+            self.status.state = ReplicaState.STARTING  # the next green health check makes it ready
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self._watch(session), name=f"{self.name}-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.status.state = ReplicaState.STOPPED
+
+    async def _watch(self, session: aiohttp.ClientSession) -> None:
+        failures = 0
+        while True:
+            healthy = await self._probe(session)
+            failures = 0 if healthy else failures + 1
+            state = self.status.state
+            if healthy and state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY):
+                log.info("%s (%s) is healthy", self.name, self.url)
+                self.status.state = ReplicaState.READY
+            elif failures >= self.HEALTH_FAILURES_UNHEALTHY and state is ReplicaState.READY:
+                log.warning("%s (%s) failed %d health checks", self.name, self.url, failures)
+                self.status.state = ReplicaState.UNHEALTHY
+            await asyncio.sleep(self.HEALTH_INTERVAL_SECONDS if self.routable else 0.5)
+
+    async def _probe(self, session: aiohttp.ClientSession) -> bool:
+        try:
+            async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+
+class ExternalFleet:
+    """The supervisor's interface over external engines: start/stop only follow health."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.replicas = [ExternalReplica(i, url) for i, url in enumerate(urls)]
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        for replica in self.replicas:
+            replica.start(self._session)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(r.stop() for r in self.replicas))
+        if self._session is not None:
+            await self._session.close()
