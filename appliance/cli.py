@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(handler=cmd_demo_model)
 
+    from appliance.loadtest.cli import register as register_loadtest
+
+    register_loadtest(sub)
+
     p = sub.add_parser("quantize", help="BF16/FP16 HF checkpoint -> W8A8 INT8 compressed-tensors checkpoint")
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)

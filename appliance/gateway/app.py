@@ -51,7 +51,8 @@ def create_app(
                         model_dir=settings.model, state_dir=settings.state_dir)
     tracer_provider = build_tracer_provider(settings, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
-                        timeout_seconds=settings.request_timeout_seconds)
+                        timeout_seconds=settings.request_timeout_seconds,
+                        tracing=_records_traces(settings, span_exporter))
     poller = EngineLoadPoller(router, settings.routing.metrics_poll_seconds, on_poll=admission.dispatch)
 
     @asynccontextmanager
@@ -89,6 +90,10 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(admin.router)
     return app
+
+
+def _records_traces(settings: Settings, exporter: SpanExporter | None) -> bool:
+    return bool(settings.otlp_traces_endpoint or exporter) and settings.trace_sample_ratio > 0
 
 
 def _limit_factory(settings: Settings) -> Callable[[], AIMDLimit] | None:

@@ -31,7 +31,6 @@ class RequestIntake:
             await self._reject(send)
             return
         received = 0
-        started = False
 
         async def counting_receive() -> Message:
             nonlocal received
@@ -42,16 +41,12 @@ class RequestIntake:
                     raise BodyTooLarge
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            # `send` is passed through unwrapped: it runs once per streamed chunk. The gateway's routes read the
+            # whole body before answering, so an oversized body is always caught before the response starts.
+            await self.app(scope, counting_receive, send)
         except BodyTooLarge:
-            if not started:
-                await self._reject(send)
+            await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(413, f"request body exceeds {self.max_bytes} bytes "

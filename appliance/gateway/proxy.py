@@ -56,10 +56,11 @@ class Upstream:
     """One pooled HTTP client for all replicas, plus admission, retries, metrics and spans around it."""
 
     def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
-                 timeout_seconds: float, max_attempts: int = 2) -> None:
+                 timeout_seconds: float, tracing: bool, max_attempts: int = 2) -> None:
         self.admission = admission
         self.metrics = metrics
         self.tracer = tracer
+        self.tracing = tracing
         self.max_attempts = max_attempts
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
@@ -78,7 +79,8 @@ class Upstream:
                       arrived: float) -> Response:
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
-                            trace=RequestTrace(self.tracer, route, request.headers), request=request)
+                            trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
+                            request=request)
         try:
             response = await self._forward_with_retry(exchange)
         except APIError as exc:

@@ -49,28 +49,49 @@ def current_span() -> trace.Span:
     return trace.get_current_span()
 
 
+def is_sampled(traceparent: str | None) -> bool:
+    """The W3C trace-flags' sampled bit of an incoming ``traceparent``."""
+    return bool(traceparent) and traceparent.endswith("-01")
+
+
 class RequestTrace:
     """The spans of one gateway request: ``gateway.request`` with children for queue wait, upstream until the
-    first token, and the stream. Contexts are passed explicitly, so nothing leaks across requests."""
+    first token, and the stream. Contexts are passed explicitly, so nothing leaks across requests.
 
-    def __init__(self, tracer: trace.Tracer, route: str, headers: Mapping[str, str]) -> None:
+    When nothing would be recorded (no exporter, and the caller did not ask for sampling) no span is created at
+    all, which keeps the request path cheap; the caller's trace context still goes to the engine unchanged."""
+
+    def __init__(self, tracer: trace.Tracer, route: str, headers: Mapping[str, str], *, recording: bool) -> None:
         self._tracer = tracer
+        self._incoming = {k: v for k in ("traceparent", "tracestate") if (v := headers.get(k))}
+        self.recording = recording or is_sampled(self._incoming.get("traceparent"))
+        if not self.recording:
+            self.root = trace.INVALID_SPAN
+            self._open: list[trace.Span] = []
+            return
         self.root = tracer.start_span(f"gateway {route}", context=extract_context(headers),
                                       kind=trace.SpanKind.SERVER, attributes={"appliance.route": route})
         self._ctx = trace.set_span_in_context(self.root)
-        self._open: list[trace.Span] = []
+        self._open = []
 
     def child(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL, **attributes) -> trace.Span:
+        if not self.recording:
+            return trace.INVALID_SPAN
         span = self._tracer.start_span(name, context=self._ctx, kind=kind, attributes=attributes)
         self._open.append(span)
         return span
 
     def propagate(self, span: trace.Span, headers: dict[str, str]) -> dict[str, str]:
         """Headers for the engine carrying ``span`` as the parent of vLLM's own spans."""
+        if not self.recording:
+            headers.update(self._incoming)
+            return headers
         PROPAGATOR.inject(carrier=headers, context=trace.set_span_in_context(span))
         return headers
 
     def finish(self, status_code: int) -> None:
+        if not self.recording:
+            return
         for span in self._open:
             if span.is_recording() and span.end_time is None:
                 span.end()

@@ -22,3 +22,10 @@ def test_spans_per_hop_in_the_callers_trace(replicas):
     assert format(root.context.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != root.name)
     assert [e.name for e in spans["gateway.upstream"].events] == ["first_token"]
+
+
+def test_without_exporter_no_span_is_made_but_context_still_reaches_the_engine(client, stubs):
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"  # not sampled
+    client.post("/v1/completions", json={"prompt": "hi"}, headers={"traceparent": traceparent})
+    headers = [h for stub in stubs for h in stub.headers][0]
+    assert headers["traceparent"] == traceparent

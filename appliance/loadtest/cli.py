@@ -1,0 +1,370 @@
+"""``appliance plan``, ``appliance bench`` and ``appliance capacity``: argument parsing and exit codes only.
+
+``register(subparsers)`` adds the three commands to the appliance's parser; each handler returns the exit
+code: 0 ok, 1 failed (or the verdict says the SLA is unreachable / the plan does not fit), 2 bad input. Input
+is checked before anything is sent or written, so a usage error leaves no files behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the handlers import these when they run: `appliance status` need not load aiohttp
+    from appliance.loadtest.bench import SLO, PromptSource, Target
+    from appliance.loadtest.capacity import CapacityRun
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+API_KEY_ENV = ("APPLIANCE_API_KEY", "OPENAI_API_KEY")
+
+
+# --- argument types: bad values are argparse errors (exit 2, usage line, no traceback) --------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0.0") else positive_float(text)
+
+
+def fraction(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{value} must be within (0, 1]")
+    return value
+
+
+def confidence(text: str) -> float:
+    value = fraction(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be below 1")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(part) for part in text.split(",") if part.strip())
+
+
+# --- registration -------------------------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    """Add ``plan``, ``bench`` and ``capacity`` to an argparse subparsers object."""
+    _add_plan(subparsers)
+    _add_bench(subparsers)
+    _add_capacity(subparsers)
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="memory plan: weights, KV bytes per token, max concurrent sequences, flags",
+                       description="Memory plan for one engine replica. Reserve for activations and overhead: "
+                                   "1 GiB + the activation peak of one scheduler step + fp32 logits (override "
+                                   "with --reserve-gib; vLLM logs its measured value at start).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-config", type=Path, help="a model's config.json (or its checkpoint directory)")
+    src.add_argument("--model-size", help="a known shape: llama-3-8b, llama-3-70b, llama-3.2-1b, mistral-7b, "
+                                          "qwen2.5-7b, demo")
+    p.add_argument("--memory-gib", type=positive_float, required=True, help="memory per device (GPU), or RAM (CPU)")
+    p.add_argument("--max-len", type=positive_int, required=True, help="max model length (prompt + output)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "fp8"],
+                   help="weights; auto: int8 for a quantized checkpoint, else bf16")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: vLLM's)")
+    p.add_argument("--max-num-seqs-cap", type=positive_int, default=256, help="upper bound on --max-num-seqs")
+    p.add_argument("--typical-len", type=positive_int, help="size --max-num-seqs for this length (default max-len)")
+    p.add_argument("--context-lens", type=int_list, default=(), help="more lengths to report, e.g. 512,2048")
+    p.add_argument("--reserve-gib", type=non_negative_float, help="activation + overhead reserve (replaces estimate)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(handler=cmd_plan)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="model name to send")
+    p.add_argument("--out", type=Path, required=True, help="output folder for the reports")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=None, help=f"bearer token (default: ${' or $'.join(API_KEY_ENV)})")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128, help="synthetic prompt length in tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request")
+    p.add_argument("--prompts", type=Path, help='JSONL of {"prompt": ...} or {"messages": [...]} instead')
+    p.add_argument("--tokenizer", type=Path, help="local HF tokenizer dir (default: the server's /tokenize)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for servers other than vLLM); outputs may end early")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--max-lag-ms", type=positive_float, default=50.0,
+                   help="refuse to report when the client's P99 scheduling lag exceeds this")
+    p.add_argument("--confidence", type=confidence, default=0.95, help="confidence of each SLA decision")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="load test any OpenAI-compatible URL; JSON + Markdown + PNG reports")
+    _add_target(p)
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--concurrency", type=positive_int, help="closed loop: this many requests in flight")
+    load.add_argument("--rate", type=positive_float, help="open loop: Poisson arrivals per second")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--requests", type=positive_int, help="measured requests")
+    size.add_argument("--duration", type=positive_float, help="measured seconds")
+    p.add_argument("--warmup", type=non_negative_int, help="excluded first requests (default: C, or 1 s of arrivals)")
+    p.add_argument("--max-inflight", type=positive_int, help="open loop: cap on requests in flight (queue beyond)")
+    p.add_argument("--slo-ttft-p95-ms", type=positive_float)
+    p.add_argument("--slo-e2e-p95-ms", type=positive_float)
+    p.set_defaults(handler=cmd_bench)
+
+
+def _add_capacity(sub: Any) -> None:
+    p = sub.add_parser("capacity", help="max concurrency whose P95 meets the SLA, then an optional soak")
+    _add_target(p)
+    p.add_argument("--slo-ttft-p95-ms", type=positive_float, required=True)
+    p.add_argument("--slo-e2e-p95-ms", type=positive_float)
+    p.add_argument("--soak-minutes", type=non_negative_float, default=0.0, help="soak at the answer (0: none)")
+    p.add_argument("--soak-window-s", type=positive_float, help="soak window (default: soak/30, at least 10 s)")
+    p.add_argument("--max-concurrency", type=positive_int, default=256)
+    p.add_argument("--requests-per-probe", type=positive_int, default=100,
+                   help="measured requests per probe (at least 3 per concurrent worker)")
+    p.add_argument("--max-requests-per-probe", type=positive_int, default=400,
+                   help="an unresolved probe is extended up to this many requests")
+    p.add_argument("--settle-s", type=non_negative_float, default=1.0,
+                   help="pause between probes, so requests a probe cancelled have left the server")
+    p.add_argument("--metrics-url", help="the appliance's /metrics (default: the URL's origin + /metrics)")
+    p.add_argument("--memory-metric", help="host memory metric (default: appliance_engine_resident_memory_bytes, "
+                                           "else process_resident_memory_bytes)")
+    p.add_argument("--device-memory-metric", help="device memory metric (default: appliance_engine_gpu_memory_bytes, "
+                                                  "else appliance_gpu_memory_used_bytes)")
+    p.add_argument("--kv-metric", help="KV occupancy metric (default: appliance_engine_kv_cache_usage_ratio, "
+                                       "else vllm:kv_cache_usage_perc)")
+    p.set_defaults(handler=cmd_capacity)
+
+
+# --- handlers -----------------------------------------------------------------------------------------------------
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"appliance {command}: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from appliance.loadtest.plan import PlanError, PlanInputs, load_shape, make_plan, render_plan
+
+    try:
+        shape = load_shape(args.model_config, args.model_size)
+        plan = make_plan(shape, PlanInputs(
+            memory_gib=args.memory_gib, max_len=args.max_len, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+            device=args.device, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs_cap=args.max_num_seqs_cap, typical_len=args.typical_len, context_lens=args.context_lens,
+            reserve_gib=args.reserve_gib))
+    except PlanError as exc:
+        return _fail("plan", str(exc), EXIT_USAGE)
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+        for warning in plan.warnings:  # the text form lists them itself; JSON readers also see them on stderr
+            print(f"appliance plan: warning: {warning}", file=sys.stderr)
+    else:
+        print(render_plan(plan), end="")
+    return EXIT_OK if plan.fits else EXIT_FAILED
+
+
+def _target(args: argparse.Namespace) -> Target:
+    from appliance.loadtest.bench import Target, normalize_base_url
+
+    key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+    return Target(normalize_base_url(args.url), args.model, args.endpoint, key, args.timeout, args.ignore_eos)
+
+
+def _check_out(out: Path) -> None:
+    from appliance.loadtest.bench import BenchError
+
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} exists and is not a folder", EXIT_USAGE)
+    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise BenchError(f"--out {out}: {parent} is not writable", EXIT_USAGE)
+
+
+def _prompts(args: argparse.Namespace, target: Target) -> tuple[PromptSource, dict[str, Any]]:
+    """The prompt source and its description for the report."""
+    from appliance.loadtest.prompts import FilePrompts, PromptError, SyntheticPrompts, TokenCounter, choose_counter
+
+    counter: TokenCounter = choose_counter(target.base_url, target.model, args.tokenizer, target.api_key)
+    info: dict[str, Any] = {"counter": counter.name, "exact": counter.exact, "max_tokens": args.max_tokens}
+    if not counter.exact:
+        info["note"] = "prompt lengths are word counts, not tokens: give --tokenizer DIR for exact counts"
+    if args.prompts is not None:
+        source: PromptSource = FilePrompts(args.prompts, counter, args.max_tokens)
+        if target.endpoint == "completions" and any(p.text is None for p in source.prompts):
+            raise PromptError(f"--prompts {args.prompts} has chat messages: use --endpoint chat")
+        info.update(source="file", path=str(args.prompts), count=len(source.prompts),
+                    description=f"{len(source.prompts)} prompts from {args.prompts}")
+        return source, info
+    source = SyntheticPrompts(counter, args.prompt_tokens, args.seed, args.max_tokens)
+    info.update(source="synthetic", target_tokens=args.prompt_tokens, seed=args.seed,
+                counted_per_prompt=source.verify_each,
+                description=f"synthetic, {args.prompt_tokens} tokens ({counter.name}), {args.max_tokens} output tokens")
+    return source, info
+
+
+async def _check_target(target: Target) -> None:
+    from appliance.loadtest.bench import make_session, preflight
+
+    async with make_session(target.timeout_s) as session:
+        await preflight(session, target)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _slo(args: argparse.Namespace) -> SLO:
+    from appliance.loadtest.bench import SLO
+
+    return SLO(ttft_s=_seconds(args.slo_ttft_p95_ms), e2e_s=_seconds(args.slo_e2e_p95_ms))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.loadtest.bench import BenchError, bench_exit_code, bench_report, execute
+    from appliance.loadtest.load import LoadSpec
+    from appliance.loadtest.prompts import PromptError
+
+    try:
+        target = _target(args)
+        _check_out(args.out)
+        warmup = args.warmup if args.warmup is not None else args.concurrency or max(1, round(args.rate))
+        spec = LoadSpec(concurrency=args.concurrency, rate=args.rate, requests=args.requests,
+                        duration=args.duration, warmup=warmup, max_inflight=args.max_inflight, seed=args.seed,
+                        max_lag_s=args.max_lag_ms / 1e3)
+        asyncio.run(_check_target(target))
+        prompts, info = _prompts(args, target)
+        run = asyncio.run(execute(target, spec, prompts, progress=args.progress, check=False))
+    except (BenchError, PromptError) as exc:
+        return _fail("bench", str(exc), getattr(exc, "exit_code", EXIT_USAGE))
+    report = bench_report(target, spec, run, _slo(args), info, args.confidence)
+    try:
+        from appliance.loadtest.report import write_bench_report
+
+        write_bench_report(args.out, report, run.results)
+    except OSError as exc:
+        return _fail("bench", f"cannot write the report to {args.out}: {exc}", EXIT_FAILED)
+    print(_bench_line(report, args.out))
+    return bench_exit_code(report)
+
+
+def _bench_line(report: dict[str, Any], out: Path) -> str:
+    if not report["valid"]:
+        return f"bench: NOT REPORTED: {report['invalid_reason']} (raw data in {out / 'requests.jsonl'})"
+    s = report["summary"]
+    lat, tp = s["latency_s"], s["throughput"]
+    return (f"bench: {report['verdict']}; {s['succeeded']}/{s['requests']} ok, TTFT p95 {_ms(lat['ttft']['p95'])}, "
+            f"TPOT p95 {_ms(lat['tpot']['p95'])}, E2E p95 {_ms(lat['e2e']['p95'])}, "
+            f"{tp['requests_per_s']:.2f} req/s, {tp['output_tokens_per_s']:.1f} output tok/s; "
+            f"report {out / 'bench.md'}")
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from appliance.loadtest.bench import BenchError, default_metrics_url
+    from appliance.loadtest.capacity import CapacityConfig, run_capacity
+    from appliance.loadtest.prompts import PromptError
+
+    try:
+        target = _target(args)
+        _check_out(args.out)
+        if args.max_requests_per_probe < args.requests_per_probe:
+            raise BenchError("--max-requests-per-probe must be at least --requests-per-probe", EXIT_USAGE)
+        config = CapacityConfig(
+            target=target, slo=_slo(args), max_concurrency=args.max_concurrency,
+            requests_per_probe=args.requests_per_probe, max_requests_per_probe=args.max_requests_per_probe,
+            confidence=args.confidence, seed=args.seed, max_lag_s=args.max_lag_ms / 1e3, settle_s=args.settle_s,
+            soak_s=args.soak_minutes * 60.0, soak_window_s=args.soak_window_s,
+            metrics_url=args.metrics_url or default_metrics_url(target.base_url),
+            metric_overrides={k: v for k, v in (("memory_bytes", args.memory_metric),
+                                                 ("device_memory_bytes", args.device_memory_metric),
+                                                 ("kv_usage", args.kv_metric)) if v},
+            progress=args.progress)
+        asyncio.run(_check_target(target))
+        prompts, info = _prompts(args, target)
+        run = asyncio.run(run_capacity(config, prompts, log=lambda m: print(f"capacity: {m}", file=sys.stderr)))
+    except (BenchError, PromptError) as exc:
+        return _fail("capacity", str(exc), getattr(exc, "exit_code", EXIT_USAGE))
+    report = capacity_report(run, info)
+    try:
+        from appliance.loadtest.report import write_capacity_report
+
+        write_capacity_report(args.out, report, run.rows)
+    except OSError as exc:
+        return _fail("capacity", f"cannot write the report to {args.out}: {exc}", EXIT_FAILED)
+    result = report["result"]
+    soak = f"; soak {report['soak']['verdict']}" if report.get("soak") else ""
+    print(f"capacity: {result['verdict']}; max concurrency {result['max_concurrency']}{soak}; "
+          f"{result['reason']}; report {args.out / 'capacity.md'}")
+    return run.exit_code
+
+
+def capacity_report(run: CapacityRun, prompt_info: dict[str, Any]) -> dict[str, Any]:
+    """The capacity report: configuration, every probe with verdict and reason, the result, the soak."""
+    cfg = run.config
+    return {
+        "kind": "capacity", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": {"url": cfg.target.base_url, "model": cfg.target.model, "endpoint": cfg.target.endpoint,
+                   "ignore_eos": cfg.target.ignore_eos},
+        "slo": cfg.slo.as_dict(),
+        "search": {"max_concurrency": cfg.max_concurrency, "requests_per_probe": cfg.requests_per_probe,
+                   "max_requests_per_probe": cfg.max_requests_per_probe, "min_rounds": cfg.min_rounds,
+                   "confidence": cfg.confidence, "min_samples": cfg.min_samples, "rel_tol": cfg.rel_tol,
+                   "settle_s": cfg.settle_s,
+                   "seed": cfg.seed, "lag_limit_s": cfg.max_lag_s},
+        "prompts": prompt_info,
+        "probes": [p.as_dict() for p in run.probes],
+        "result": run.result,
+        "soak": run.soak,
+        "exit_code": run.exit_code,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m appliance.loadtest``: the three commands without the rest of the appliance."""
+    parser = argparse.ArgumentParser(prog="appliance-loadtest")
+    register(parser.add_subparsers(title="commands", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        return 130

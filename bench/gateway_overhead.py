@@ -1,0 +1,164 @@
+"""Gateway overhead: the same streamed load direct to a vLLM engine, through the appliance's gateway, and
+through the peer router (vllm-router, when installed), in alternating rounds of one run.
+
+Prints throughput and TTFT p50/p99 per path and the ratios against direct. Numbers, never assertions.
+
+    .venv/bin/python bench/gateway_overhead.py [--concurrency 16] [--requests 200] [--rounds 3]
+        [--vllm-router PATH]   # e.g. a venv with `pip install vllm-router==0.1.17`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from appliance.cli import ensure_demo_model  # noqa: E402
+from appliance.loadtest.bench import Target, execute, summarize_run  # noqa: E402
+from appliance.loadtest.load import LoadSpec  # noqa: E402
+from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402
+
+
+def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None = None) -> subprocess.Popen:
+    """Start a process, optionally pinned to ``cores`` (children inherit the pinning)."""
+    return subprocess.Popen(command, env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """Engine on the last core, everything else (gateway, router, load generator) on the rest, so the paths
+    compare proxy cost rather than how much CPU each proxy steals from the engine."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return set(cores), set(cores)
+    return {cores[-1]}, set(cores[:-1])
+
+
+def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def measure(url: str, prompts: SyntheticPrompts, args: argparse.Namespace) -> dict:
+    spec = LoadSpec(concurrency=args.concurrency, requests=args.requests, warmup=args.concurrency)
+    run = await execute(Target(base_url=url, model="demo"), spec, prompts, check=False)
+    summary = summarize_run(run)
+    latency = summary["latency_s"]["ttft"]
+    return {"rps": summary["throughput"]["requests_per_s"], "tok_s": summary["throughput"]["output_tokens_per_s"],
+            "ttft_p50": latency["p50"], "ttft_p99": latency["p99"],
+            "errors": summary["requests"] - summary["succeeded"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--base-port", type=int, default=18300)
+    parser.add_argument("--models-dir", default="var/models")
+    parser.add_argument("--vllm-router", default=shutil.which("vllm-router"))
+    args = parser.parse_args()
+
+    model = ensure_demo_model(Path(args.models_dir))
+    logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    engine_port, gateway_port, router_port = args.base_port, args.base_port + 10, args.base_port + 20
+    env = {"APPLIANCE_MODEL": str(model), "APPLIANCE_PORT": str(gateway_port),
+           "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_STATE_DIR": str(logs),
+           "APPLIANCE_ENGINE__MAX_MODEL_LEN": "256", "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency)}
+    engine_cores, other_cores = split_cores()
+    appliance = start([sys.executable, "-m", "appliance.cli", "serve"], env, logs / "appliance.log", engine_cores)
+    procs = [appliance]
+    paths = {"direct": f"http://127.0.0.1:{engine_port}", "gateway": f"http://127.0.0.1:{gateway_port}"}
+    try:
+        wait_ok(f"{paths['gateway']}/health/ready", appliance)
+        os.sched_setaffinity(appliance.pid, other_cores)  # the gateway moves off the engine's core
+        os.sched_setaffinity(0, other_cores)
+        if args.vllm_router:
+            router = start([args.vllm_router, "--port", str(router_port), "--worker-urls", paths["direct"],
+                            "--policy", "round_robin", "--log-level", "warning"], {}, logs / "router.log",
+                           other_cores)
+            procs.append(router)
+            paths["vllm-router"] = f"http://127.0.0.1:{router_port}"
+            wait_ok(f"{paths['vllm-router']}/v1/models", router, timeout=60)
+        counter = choose_counter(paths["direct"], "demo", model, None)
+        prompts = SyntheticPrompts(counter, tokens=args.prompt_tokens, max_tokens=args.max_tokens)
+        samples: dict[str, list[dict]] = {name: [] for name in paths}
+        proxies = {"gateway": psutil.Process(appliance.pid)}
+        if len(procs) > 1:
+            proxies["vllm-router"] = psutil.Process(procs[1].pid)
+        for round_index in range(args.rounds):
+            order = list(paths)[round_index % len(paths):] + list(paths)[:round_index % len(paths)]
+            for name in order:
+                cpu_before = _cpu(proxies.get(name))
+                sample = asyncio.run(measure(paths[name], prompts, args))
+                sample["proxy_cpu_ms"] = 1000 * (_cpu(proxies.get(name)) - cpu_before) / args.requests
+                samples[name].append(sample)
+        print(f"engine on cores {sorted(engine_cores)}, proxies and load generator on {sorted(other_cores)}")
+        report(samples, args)
+        if "vllm-router" not in paths:
+            print("vllm-router: not found (--vllm-router PATH; `pip install vllm-router==0.1.17` in a venv)")
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def _cpu(proc: psutil.Process | None) -> float:
+    """CPU seconds of the proxy process itself (not its engine children)."""
+    if proc is None:
+        return 0.0
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    def med(name: str, key: str) -> float:
+        return statistics.median(s[key] for s in samples[name])
+
+    print(f"streamed completions, concurrency {args.concurrency}, {args.requests} requests x {args.rounds} "
+          f"alternating rounds, {args.prompt_tokens} prompt + {args.max_tokens} output tokens (medians)")
+    print(f"{'path':<12} {'req/s':>7} {'tok/s':>8} {'thr/direct':>10} {'TTFT p50 ms':>11} {'+p50 ms':>8} "
+          f"{'TTFT p99 ms':>11} {'errors':>6} {'proxy CPU ms/req':>16}")
+    for name in samples:
+        print(f"{name:<12} {med(name, 'rps'):>7.1f} {med(name, 'tok_s'):>8.0f} "
+              f"{med(name, 'tok_s') / med('direct', 'tok_s'):>10.3f} {1000 * med(name, 'ttft_p50'):>11.1f} "
+              f"{1000 * (med(name, 'ttft_p50') - med('direct', 'ttft_p50')):>8.1f} "
+              f"{1000 * med(name, 'ttft_p99'):>11.1f} {sum(s['errors'] for s in samples[name]):>6} "
+              f"{med(name, 'proxy_cpu_ms'):>16.2f}")
+
+
+if __name__ == "__main__":
+    main()

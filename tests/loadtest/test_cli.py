@@ -1,0 +1,142 @@
+"""The three commands through argparse: bad input exits 2 with a message and writes nothing; good runs exit 0
+and write their reports; a plan that cannot fit exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from appliance.loadtest.cli import register
+from tests.loadtest.stub import StubServer
+from tests.loadtest.timing import retry_if_starved
+
+Start = Callable[..., StubServer]
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="appliance")
+    register(parser.add_subparsers(title="commands"))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return int(args.handler(args))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--model", "m", "--concurrency", "1", "--requests", "1", "--out", "X"], "--url"),
+        (["bench", "--url", "http://h", "--model", "m", "--concurrency", "1", "--rate", "2", "--requests", "1",
+          "--out", "X"], "not allowed with argument"),
+        (["bench", "--url", "http://h", "--model", "m", "--requests", "1", "--out", "X"], "--concurrency --rate"),
+        (["bench", "--url", "http://h", "--model", "m", "--concurrency", "0", "--requests", "1", "--out", "X"],
+         "must be at least 1"),
+        (["bench", "--url", "http://h", "--model", "m", "--rate", "-2", "--requests", "1", "--out", "X"],
+         "must be a positive number"),
+        (["bench", "--url", "http://h", "--model", "m", "--rate", "nan", "--requests", "1", "--out", "X"],
+         "must be a positive number"),
+        (["bench", "--url", "http://h", "--model", "m", "--concurrency", "1", "--requests", "1", "--out", "X",
+          "--endpoint", "embeddings"], "invalid choice"),
+        (["capacity", "--url", "http://h", "--model", "m", "--out", "X"], "--slo-ttft-p95-ms"),
+        (["capacity", "--url", "http://h", "--model", "m", "--out", "X", "--slo-ttft-p95-ms", "100",
+          "--confidence", "1"], "must be below 1"),
+        (["plan", "--model-size", "llama-3-8b", "--max-len", "8192"], "--memory-gib"),
+        (["plan", "--model-size", "llama-3-8b", "--memory-gib", "80", "--max-len", "8192", "--model-config", "c"],
+         "not allowed with argument"),
+        (["plan", "--model-size", "llama-3-8b", "--memory-gib", "80", "--max-len", "8k"], "not an integer"),
+    ],
+)
+def test_bad_flags_exit_2_with_message(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_values_exit_2_and_write_nothing(tmp_path: Path, stub_server: Start,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    stub = stub_server()
+    out = tmp_path / "out"
+    common = ["--model", "stub", "--concurrency", "1", "--requests", "2", "--out", str(out), "--no-progress"]
+    chat_only = tmp_path / "chat.jsonl"
+    chat_only.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cases = [
+        (["bench", "--url", stub.url, *common, "--prompts", str(chat_only)], "use --endpoint chat"),
+        (["bench", "--url", "ftp://x", *common], "is not an http(s) URL"),
+        (["bench", "--url", stub.url, *common[:-3], "--out", str(out), "--prompts", str(tmp_path / "none.jsonl")],
+         "No such file"),
+        (["bench", "--url", stub.url, *common, "--tokenizer", str(tmp_path)], "no tokenizer.json"),
+        (["bench", "--url", stub.url, "--model", "wrong", *common[2:]], "'wrong' is not served"),
+        (["plan", "--model-size", "gpt-9", "--memory-gib", "8", "--max-len", "10"], "is not known"),
+        (["plan", "--model-config", str(tmp_path / "none.json"), "--memory-gib", "8", "--max-len", "10"],
+         "No such file"),
+    ]
+    for argv, message in cases:
+        assert run_cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not out.exists()
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert run_cli(["bench", "--url", stub.url, *common[:-3], "--out", str(not_a_dir)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_unreachable_url_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_cli(["bench", "--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "1", "--requests", "1",
+                    "--out", str(tmp_path / "o"), "--no-progress"])
+    assert code == 1 and "cannot reach" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_command_writes_reports(tmp_path: Path, stub_server: Start, capsys: pytest.CaptureFixture[str]) -> None:
+    stub = stub_server(ttft_s=0.003, itl_s=0.001, tokenize=True)
+    out = tmp_path / "bench"
+    code = run_cli(["bench", "--url", stub.url + "/v1", "--model", "stub", "--concurrency", "2", "--requests", "20",
+                    "--out", str(out), "--prompt-tokens", "12", "--max-tokens", "3", "--slo-ttft-p95-ms", "500",
+                    "--no-progress", "--max-lag-ms", "500"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert stdout.startswith("bench: unresolved;")  # 20 requests cannot show 95% at 95% confidence
+    report = json.loads((out / "bench.json").read_text())
+    assert report["prompts"]["exact"] and report["prompts"]["counter"] == "server /tokenize"
+    assert report["summary"]["tokens"]["prompt_target_match_fraction"] == 1.0
+    assert {"requests.jsonl", "bench.md", "bench.png", "bench.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_capacity_command(tmp_path: Path, stub_server: Start, capsys: pytest.CaptureFixture[str]) -> None:
+    stub = stub_server(ttft_fn=lambda n: 0.003 if n <= 2 else 0.5, itl_s=0.0)
+    out = tmp_path / "cap"
+    retry_if_starved(lambda: _check_capacity(stub, out, capsys))
+
+
+def _check_capacity(stub: StubServer, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_cli(["capacity", "--url", stub.url, "--model", "stub", "--slo-ttft-p95-ms", "250", "--out", str(out),
+                    "--settle-s", "0.2",
+                    "--requests-per-probe", "60", "--max-requests-per-probe", "60", "--max-tokens", "2",
+                    "--no-progress", "--max-lag-ms", "500", "--soak-minutes", "0.02", "--soak-window-s", "0.3"])
+    captured = capsys.readouterr()
+    assert "capacity: met; max concurrency 2; soak" in captured.out, captured.out + captured.err
+    report = json.loads((out / "capacity.json").read_text())
+    assert report["result"]["max_concurrency"] == 2
+    # a one-second soak of a jittery stub may read "suspect" (or, rarely, "drift"): the exit code must agree
+    assert code == report["exit_code"] == (1 if report["soak"]["verdict"] in ("drift", "fail", "invalid") else 0)
+    assert report["soak"]["metrics"]["scrapes"] > 0
+    assert {"capacity.json", "capacity.md", "capacity.png", "soak.png", "requests.jsonl"} <= {
+        p.name for p in out.iterdir()}
+
+
+def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}))
+    assert run_cli(["plan", "--model-config", str(config), "--memory-gib", "80", "--max-len", "8192", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv"]["bytes_per_token"] == 131072 and plan["weights"]["bf16_bytes"] == 16_060_522_496
+    assert run_cli(["plan", "--model-size", "llama-3-70b", "--memory-gib", "24", "--max-len", "4096"]) == 1
+    assert "cannot fit" in capsys.readouterr().out
