@@ -20,11 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import os  # noqa: E402
+
 from appliance.cli import ensure_demo_model  # noqa: E402
 from appliance.loadtest.bench import SLO, Target, execute, summarize_run  # noqa: E402
 from appliance.loadtest.load import LoadSpec  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402
-from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
+from bench.gateway_overhead import split_cores, start, stop, wait_ok  # noqa: E402
 
 
 async def run_once(url: str, spec: LoadSpec, prompts: SyntheticPrompts, slo: SLO) -> dict:
@@ -55,16 +57,19 @@ def main() -> None:
     common = {"APPLIANCE_STATE_DIR": str(logs), "APPLIANCE_SLO_TTFT_P95_SECONDS": str(args.slo_ttft_ms / 1000),
               "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
               "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.slo_ttft_ms / 1000)}
+    engine_cores, other_cores = split_cores()
     with_admission = start([sys.executable, "-m", "appliance.cli", "serve"],
                            {**common, "APPLIANCE_MODEL": str(model), "APPLIANCE_PORT": str(with_port),
-                            "APPLIANCE_ENGINE_BASE_PORT": str(engine_port)}, logs / "with.log")
+                            "APPLIANCE_ENGINE_BASE_PORT": str(engine_port)}, logs / "with.log", engine_cores)
     procs = [with_admission]
     try:
         wait_ok(f"http://127.0.0.1:{with_port}/health/ready", with_admission)
+        os.sched_setaffinity(with_admission.pid, other_cores)  # gateways and load generator off the engine's core
+        os.sched_setaffinity(0, other_cores)
         without = start([sys.executable, "-m", "appliance.cli", "serve"],
                         {**common, "APPLIANCE_ENGINE_URLS": f"http://127.0.0.1:{engine_port}",
                          "APPLIANCE_PORT": str(without_port), "APPLIANCE_ADMISSION__ENABLED": "false"},
-                        logs / "without.log")
+                        logs / "without.log", other_cores)
         procs.append(without)
         wait_ok(f"http://127.0.0.1:{without_port}/health/ready", without)
         prompts = SyntheticPrompts(choose_counter("", "demo", model, None), tokens=args.prompt_tokens,

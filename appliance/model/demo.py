@@ -46,9 +46,9 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
 # --- training ------------------------------------------------------------------------------------------------
 SEQ_LEN = 128
 BATCH_SIZE = 4
-# Sized so an idle 2-core host reaches the cap well inside the default 60 s budget (measured ~0.11 s/step),
+# Sized so an idle 2-core host reaches the cap inside the default 60 s budget (~0.11 s/step: ~45 s),
 # which is what makes the default build reproducible; a busier host stops on time instead.
-DEFAULT_MAX_STEPS = 450
+DEFAULT_MAX_STEPS = 400
 PEAK_LR = 1e-3
 MIN_LR_FRACTION = 0.1
 WARMUP_FRACTION = 0.06
@@ -355,19 +355,40 @@ def move_into_place(tmp: Path, target: Path) -> None:
 
 
 def available_cores() -> int:
-    """Cores this process may run on (affinity aware) that other processes are not already keeping busy.
+    """Cores this process may run on (affinity aware) that other processes are not keeping busy right now.
 
-    Oversubscribing OpenMP threads is far worse than using fewer: with another engine busy on a 2-core host,
-    a 10-step build took 17 s on 2 threads and 5 s on 1. The 1-minute load average is a coarse but free
-    estimate of the busy cores. (Results do not depend on the thread count: builds on 1 and 2 threads were
-    byte-identical.)
+    Oversubscribing OpenMP threads is far worse than using fewer: with a vLLM engine busy on a 2-core host,
+    a 10-step build took 17 s on 2 threads and 5 s on 1. Results do not depend on the thread count (builds
+    on 1 and 2 threads were byte-identical), so this only trades speed.
     """
     cores = len(os.sched_getaffinity(0))
+    busy = _busy_cores()
+    return max(1, min(cores, (os.cpu_count() or cores) - round(busy)))
+
+
+def _busy_cores(interval: float = 0.25) -> float:
+    """How many cores other processes use, sampled from /proc/stat (we sleep meanwhile); load average elsewhere.
+
+    The 1-minute load average lags by a minute, long enough to starve a build that starts just after
+    another job ended, so it is only the fallback.
+    """
+
+    def snapshot() -> tuple[int, int]:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return sum(values), values[3] + values[4]  # all jiffies, idle + iowait jiffies
+
     try:
-        busy = int(os.getloadavg()[0])
-    except OSError:  # no load average on this platform
-        busy = 0
-    return max(1, min(cores, cores - busy))
+        total0, idle0 = snapshot()
+        time.sleep(interval)
+        total1, idle1 = snapshot()
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return 0.0
+    if total1 <= total0:
+        return 0.0
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.model.demo import make_readable, move_into_place, temp_sibling
+from appliance.model.demo import heldout_text, make_readable, move_into_place, temp_sibling
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -95,7 +95,6 @@ class _Source:
     config: dict
     shards: list[str]  # safetensors file names, in order
     index: dict | None  # the parsed index file when the checkpoint is sharded
-    tensors: dict[str, tuple[str, list[int]]]  # name -> (safetensors dtype, shape)
 
 
 # --- public API ------------------------------------------------------------------------------------------------
@@ -138,8 +137,6 @@ def quantize_checkpoint(
         }
         result["ratio"] = round(result["bytes_after"] / result["bytes_before"], 4)
         if evaluate:
-            from appliance.model.demo import heldout_text
-
             text = eval_text if eval_text is not None else heldout_text()
             result.update(evaluate_quality(src, tmp, text))
         make_readable(tmp)
@@ -215,7 +212,7 @@ def _inspect_source(src: Path) -> _Source:
     odd = [name for name, (_, shape) in tensors.items() if DECODER_WEIGHT.search(name) and len(shape) > 2]
     if odd:
         raise QuantizeError(f"{src} has fused/3-D decoder weights ({odd[0]}), which this quantizer does not support")
-    return _Source(path=src, config=config, shards=shards, index=index, tensors=tensors)
+    return _Source(path=src, config=config, shards=shards, index=index)
 
 
 def _check_causal_lm(src: Path, config: dict) -> None:
@@ -354,9 +351,16 @@ def evaluate_quality(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    windows = _token_windows(tokenizer, text, max_tokens=max_tokens, window=window)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        windows = _token_windows(tokenizer, text, max_tokens=max_tokens, window=window)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, QuantizeError):
+            raise
+        raise QuantizeError(
+            f"cannot load {src} with transformers for the quality check ({exc}); pass evaluate=False to skip it"
+        ) from exc
     model.eval()
     reference = _window_logits(model, windows)
     hooks = _simulate_w8a8(model, quantized_dir)
