@@ -56,7 +56,8 @@ def main() -> None:
     engine_port, with_port, without_port = args.base_port, args.base_port + 10, args.base_port + 11
     common = {"APPLIANCE_STATE_DIR": str(logs), "APPLIANCE_SLO_TTFT_P95_SECONDS": str(args.slo_ttft_ms / 1000),
               "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
-              "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.slo_ttft_ms / 1000)}
+              # A request may wait in the gateway only as long as it can still make its SLO.
+              "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.slo_ttft_ms / 2000)}
     engine_cores, other_cores = split_cores()
     with_admission = start([sys.executable, "-m", "appliance.cli", "serve"],
                            {**common, "APPLIANCE_MODEL": str(model), "APPLIANCE_PORT": str(with_port),

@@ -50,6 +50,7 @@ class Exchange:
     trace: RequestTrace
     request: Request
     tried: set[str] = field(default_factory=set)
+    dispatched: float = 0.0  # monotonic: when a replica was assigned (after any gateway queueing)
 
 
 class Upstream:
@@ -112,6 +113,7 @@ class Upstream:
         queued_at = time.monotonic()
         try:
             replica = await self.admission.acquire(frozenset(exchange.tried))
+            exchange.dispatched = time.monotonic()
         finally:
             self.metrics.queue_wait.observe(time.monotonic() - queued_at)
             span.end()
@@ -202,7 +204,10 @@ class Upstream:
             else:
                 upstream.close()
             ttft = None if first is None else first - exchange.arrived
-            self.admission.release(replica, outcome, ttft if outcome is Outcome.SUCCESS else None)
+            # The replica is judged on its own time to first token: gateway queueing is admission's doing, and
+            # feeding it back would cut the limit because of the queue, queue more, and cut again.
+            replica_ttft = None if first is None else first - exchange.dispatched
+            self.admission.release(replica, outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
             stream_span.end()
             self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
             self._finish(exchange, status)

@@ -1,0 +1,61 @@
+"""The gateway's /metrics against real engines under load: every signal is real and moves with the load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.engine
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample on the page (the parser must accept all of it), summed over labels per sample name."""
+    page = httpx.get(f"{url}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_signals_move_with_load(appliance):
+    idle = scrape(appliance.url)
+    stop = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "demo", "prompt": "Functions", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        while not stop.is_set():
+            with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as response:
+                for _ in response.iter_bytes():
+                    if stop.is_set():
+                        break
+
+    workers = [threading.Thread(target=stream, daemon=True) for _ in range(80)]  # more than 2 x max_num_seqs
+    for worker in workers:
+        worker.start()
+    peak: dict[str, float] = {}
+    try:
+        for _ in range(3):
+            time.sleep(6)  # collectors take rates over at least rate_min_window_seconds (5 s)
+            for name, value in scrape(appliance.url).items():
+                peak[name] = max(peak.get(name, value), value)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=120)
+
+    assert idle.get("appliance_engine_kv_cache_usage_ratio", 0) < peak["appliance_engine_kv_cache_usage_ratio"]
+    assert peak["appliance_engine_requests_running"] > 0
+    assert peak["appliance_queue_length"] > 0  # the gateway queued what the replicas' limits could not take
+    assert peak["appliance_engine_cpu_utilization_ratio"] > 0.2  # compute, from the engines' CPU time
+    assert peak["appliance_mbu_ratio"] > 0  # bandwidth, from the roofline estimate
+    assert peak["appliance_mfu_ratio"] > 0
+    assert peak["appliance_engine_resident_memory_bytes"] > 100e6
+    assert peak["appliance_request_ttft_seconds_count"] > idle.get("appliance_request_ttft_seconds_count", 0)
+    assert peak["appliance_tokens_total"] > idle.get("appliance_tokens_total", 0)
+    assert peak.get("appliance_engine_memory_fragmentation_ratio") is not None  # the vLLM plugin's allocator stats
