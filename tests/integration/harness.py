@@ -67,7 +67,7 @@ class ApplianceProcess:
             "APPLIANCE_PORT": str(self.port),
             "APPLIANCE_ENGINE_BASE_PORT": str(base),
             "APPLIANCE_STATE_DIR": str(self.state_dir),
-            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
+            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024",
             "APPLIANCE_ENGINE__MAX_NUM_SEQS": "32",
             "APPLIANCE_ENGINE__KV_CACHE_SPACE_GIB": "1",
             "APPLIANCE_ENGINE__SHUTDOWN_TIMEOUT_SECONDS": "5",

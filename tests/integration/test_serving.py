@@ -94,7 +94,9 @@ def test_killed_engine_is_restarted_while_the_appliance_keeps_answering(applianc
 
 def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
     """Last in this module: it stops the shared appliance."""
-    body = {"model": "demo", "prompt": "The import system", "max_tokens": 300, "ignore_eos": True,
+    # ~1000 tokens take seconds even at this model's single-stream speed (~300 tokens/s on one core), so the
+    # checks below run while the stream is still going.
+    body = {"model": "demo", "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     events: list[str] = []
     with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as response:
@@ -102,7 +104,7 @@ def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
         lines = response.iter_lines()
         events.append(next(lines))
         appliance.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        time.sleep(0.2)
         ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
         refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=5)
         events.extend(line for line in lines if line)
