@@ -47,7 +47,8 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self._app.state.draining = True
-        log.info("signal %s: draining (up to %.0fs), not ready, new requests get 503", sig, self._drain_timeout)
+        log.info("signal %s: draining %d in-flight request(s) (up to %.0fs); not ready, new requests get 503", sig,
+                 in_flight(self._app), self._drain_timeout)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 
     async def _drain(self) -> None:

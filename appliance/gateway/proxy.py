@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 FORWARDED_HEADERS = ("content-type", "x-request-id")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+UPSTREAM_KEEPALIVE_SECONDS = 4.0
 
 
 class RetryableUpstreamError(Exception):
@@ -67,8 +68,10 @@ class Upstream:
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
+        # Idle upstream connections are dropped before vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
+        # closes them: reusing a connection the engine just closed fails the request for nothing.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30), auto_decompress=False
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS), auto_decompress=False
         )
 
     async def close(self) -> None:

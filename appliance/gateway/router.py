@@ -119,7 +119,10 @@ class Router:
         return chosen
 
     def release(self, replica: Routable, outcome: Outcome, ttft_seconds: float | None = None) -> None:
-        replica.status.outstanding -= 1
+        if replica.status.outstanding <= 0:  # a bug if it happens: the drain and the limits rely on this count
+            log.error("release of %s with no request outstanding (%s)", replica.name, outcome.value)
+        else:
+            replica.status.outstanding -= 1
         health = self.health_of(replica.name)
         if outcome is Outcome.FAILURE:
             health.consecutive_failures += 1

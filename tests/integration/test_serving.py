@@ -103,11 +103,16 @@ def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
         assert response.status_code == 200
         lines = response.iter_lines()
         events.append(next(lines))
+        signalled = time.monotonic()
         appliance.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
         ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
+        while ready.status_code == 200 and time.monotonic() - signalled < 2:  # until the signal is handled
+            ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
         refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=5)
+        checked = time.monotonic() - signalled
         events.extend(line for line in lines if line)
+        streamed = time.monotonic() - signalled
+    assert checked < streamed, f"the checks ({checked:.2f}s) ran after the stream ended ({streamed:.2f}s)"
     assert ready.status_code == 503
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert events[-1] == "data: [DONE]"
