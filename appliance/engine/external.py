@@ -8,7 +8,7 @@ import logging
 
 import aiohttp
 
-from appliance.engine.replica import ReplicaState, ReplicaStatus
+from appliance.engine.replica import ReplicaState, ReplicaStatus, probe_health
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ExternalReplica:
     async def _watch(self, session: aiohttp.ClientSession) -> None:
         failures = 0
         while True:
-            healthy = await self._probe(session)
+            healthy = await probe_health(session, self.url)
             failures = 0 if healthy else failures + 1
             state = self.status.state
             if healthy and state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY):
@@ -57,13 +57,6 @@ class ExternalReplica:
                 log.warning("%s (%s) failed %d health checks", self.name, self.url, failures)
                 self.status.state = ReplicaState.UNHEALTHY
             await asyncio.sleep(self.HEALTH_INTERVAL_SECONDS if self.routable else 0.5)
-
-    async def _probe(self, session: aiohttp.ClientSession) -> bool:
-        try:
-            async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
 
 
 class ExternalFleet:

@@ -25,6 +25,15 @@ from appliance.engine.placement import Placement
 log = logging.getLogger(__name__)
 
 
+async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
+    """One look at an engine's /health: green only on a 200 within 2 s."""
+    try:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
 class ReplicaState(str, enum.Enum):
     STARTING = "starting"  # process spawned, /health not yet green
     READY = "ready"  # serving; the gateway routes here
@@ -89,7 +98,6 @@ class Replica:
         self._proc: subprocess.Popen | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self._ready_event = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -109,13 +117,6 @@ class Replica:
         self._session = session
         self._stopping = False
         self._task = asyncio.create_task(self._run(), name=f"{self.name}-lifecycle")
-
-    async def wait_ready(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ready_event.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     async def stop(self) -> None:
         """Stop the engine gracefully (vLLM's --shutdown-timeout), then kill whatever is left of its group."""
@@ -175,7 +176,6 @@ class Replica:
                 self.spec.command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        self._ready_event.clear()
         self.status.state = ReplicaState.STARTING
         self.status.pid = self._proc.pid
         self.status.starts += 1
@@ -192,9 +192,9 @@ class Replica:
             code = self._proc.poll()
             if code is not None:
                 self._kill_group()
-                self._ready_event.clear()
                 return code
-            healthy = await self._probe_health()
+            assert self._session is not None
+            healthy = await probe_health(self._session, self.url)
             state = self.status.state
             if healthy:
                 failures = 0
@@ -217,16 +217,7 @@ class Replica:
         self.status.planned_restart = False
         self.status.load_seconds = load_seconds
         self.status.last_ready_time = time.time()
-        self._ready_event.set()
         log.info("%s ready after %.1fs at %s", self.name, load_seconds, self.url)
-
-    async def _probe_health(self) -> bool:
-        assert self._session is not None
-        try:
-            async with self._session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
 
     def _record_crash(self, code: int) -> None:
         self.status.crashes += 1

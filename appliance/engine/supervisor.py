@@ -67,16 +67,6 @@ class Supervisor:
         for replica in self.replicas:
             replica.start(self._session)
 
-    async def wait_ready(self, timeout: float, *, count: int | None = None) -> bool:
-        """Wait until ``count`` replicas (default all) are ready."""
-        wanted = len(self.replicas) if count is None else count
-        deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline:
-            if len(self.ready()) >= wanted:
-                return True
-            await asyncio.sleep(0.25)
-        return len(self.ready()) >= wanted
-
     async def stop(self) -> None:
         """Stop all replicas in parallel; after this no engine process of ours exists."""
         await asyncio.gather(*(r.stop() for r in self.replicas), return_exceptions=True)
@@ -86,6 +76,3 @@ class Supervisor:
 
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.status.state is ReplicaState.READY]
-
-    def get(self, name: str) -> Replica | None:
-        return next((r for r in self.replicas if r.name == name), None)

@@ -106,9 +106,6 @@ class Router:
         """A replica is down for a planned restart and will be back: worth queueing for, not a 503."""
         return any(getattr(r.status, "planned_restart", False) for r in self._replicas())
 
-    def any_ready(self) -> bool:
-        return any(r.routable for r in self._replicas())
-
     def try_acquire(self, exclude: frozenset[str] | set[str] = frozenset()) -> Routable | None:
         """The best replica with room under its limit, its outstanding count already taken; or None."""
         candidates = [r for r in self.eligible(exclude) if r.status.outstanding < self._limit_for(r.name)]
