@@ -14,6 +14,17 @@ import pytest
 from tests.integration.harness import ApplianceProcess
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """On a failure, show what the appliance logged: CI keeps no other trace of the gateway and its engines."""
+    report = yield
+    app = getattr(item, "funcargs", {}).get("appliance")
+    if report.failed and isinstance(app, ApplianceProcess):
+        exit_code = app.proc.poll() if app.proc else None
+        report.sections.append(("appliance log (tail)", f"gateway exit code: {exit_code}\n{app.log_tail(120)}"))
+    return report
+
+
 @pytest.fixture(scope="session")
 def appliance(demo_model_int8, tmp_path_factory):
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2)

@@ -13,6 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.engine
 
 
+# What a client adds to the engine's own timings at most, on a loaded 2-core machine.
+CLIENT_OVERHEAD_S = 0.25
+
+
 def engine_histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float]:
     """(upper bound, cumulative count) buckets and the count of one vLLM histogram, summed over label sets."""
     buckets: dict[float, float] = {}
@@ -52,7 +56,7 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
     names = ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds")
     before = {n: engine_histogram(engine, n) for n in names}
     result = appliance_cli("bench", "--url", engine, "--model", "demo", "--concurrency", "4", "--requests", "40",
-                           "--warmup", "0", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
+                           "--warmup", "0", "--prompt-tokens", "32", "--max-tokens", "128", "--tokenizer",
                            str(demo_model_int8), "--no-progress", "--out", str(tmp_path),
                            # The engines busy both cores of a CI machine: tolerate the client being scheduled late
                            # (the comparison below is at bucket resolution anyway).
@@ -60,6 +64,7 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["valid"] and report["requests_completed"] == 40
+    engine_p50: dict[str, tuple[float, float]] = {}
     for name, key in zip(names, ("e2e", "ttft"), strict=True):
         buckets, count = delta(engine_histogram(engine, name), before[name])
         # Every request the bench measured; at most `concurrency` more from its cool-down (load is held until the
@@ -67,22 +72,27 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
         assert 40 <= count <= 40 + 4
         lower, upper = bucket_of_quantile(buckets, count, 0.5)
         p50 = report["summary"]["latency_s"][key]["p50"]
-        # The client sees the engine's time plus HTTP and its own scheduling: same bucket, or just above it.
-        assert lower - 0.005 <= p50 <= upper + 0.05, (name, p50, lower, upper)
+        # The client sees the engine's time plus what the engine does not time: HTTP, tokenisation and the API
+        # server's event loop, which on a 2-core CI machine shares a core with a busy engine (seen: +0.13 s on TTFT).
+        assert lower - 0.005 <= p50 <= upper + CLIENT_OVERHEAD_S, (name, p50, lower, upper)
+        engine_p50[key] = (lower, upper)
+    # 128 tokens make generation last well beyond that overhead, so TTFT and E2E cannot be mistaken for each other.
+    assert report["summary"]["latency_s"]["ttft"]["p50"] < engine_p50["e2e"][0], engine_p50
     assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.png").exists()
 
 
 def test_capacity_search_finds_a_concurrency_on_the_demo_model(appliance, demo_model_int8, tmp_path):
     engine = f"http://127.0.0.1:{appliance.engine_port(1)}"
-    result = appliance_cli("capacity", "--url", engine, "--model", "demo", "--slo-ttft-p95-ms", "1000",
-                           "--max-concurrency", "32", "--requests-per-probe", "30", "--max-requests-per-probe", "60",
+    result = appliance_cli("capacity", "--url", engine, "--model", "demo", "--slo-ttft-p95-ms", "2000",
+                           "--max-concurrency", "16", "--requests-per-probe", "30", "--max-requests-per-probe", "60",
                            "--settle-s", "0.5", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
                            str(demo_model_int8), "--no-progress", "--out", str(tmp_path))
     report = json.loads((tmp_path / "capacity.json").read_text())
     found = report["result"]["max_concurrency"]
     assert result.returncode == (0 if report["result"]["verdict"] in ("met", "capped") else 1), result.stderr
-    assert report["result"]["verdict"] in ("met", "capped"), report["result"]
-    assert 1 <= found <= 32
+    probes = [(p["concurrency"], p["stage"], p["verdict"], p["reason"]) for p in report["probes"]]
+    assert report["result"]["verdict"] in ("met", "capped"), (report["result"], probes)
+    assert 1 <= found <= 16
     passing = [p["concurrency"] for p in report["probes"] if p["verdict"] == "pass"]
     assert found in passing  # the answer is a concurrency that was measured to meet the SLA
     assert str(found) in (tmp_path / "capacity.md").read_text()
