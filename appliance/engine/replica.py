@@ -81,6 +81,7 @@ class ReplicaStatus:
     load_seconds: float | None = None  # spawn to first green /health
     outstanding: int = 0  # requests the gateway has in flight here
     planned_restart: bool = False  # a maintenance restart: requests may wait for it instead of failing
+    hold_when_ready: bool = False  # maintenance: come back drained (to be warmed), not straight into routing
     consecutive_crashes: int = field(default=0, repr=False)
 
 
@@ -213,8 +214,11 @@ class Replica:
             await asyncio.sleep(0.5 if self.status.state is ReplicaState.STARTING else self.HEALTH_INTERVAL_SECONDS)
 
     def _mark_ready(self, load_seconds: float) -> None:
-        self.status.state = ReplicaState.READY
-        self.status.planned_restart = False
+        if self.status.hold_when_ready:  # maintenance warms it first, then undrains it and ends the planned restart
+            self.status.state = ReplicaState.DRAINING
+        else:
+            self.status.state = ReplicaState.READY
+            self.status.planned_restart = False
         self.status.load_seconds = load_seconds
         self.status.last_ready_time = time.time()
         log.info("%s ready after %.1fs at %s", self.name, load_seconds, self.url)

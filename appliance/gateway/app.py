@@ -20,8 +20,10 @@ from appliance.gateway.limits import RequestIntake
 from appliance.gateway.metrics import FleetCollector, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Routable, Router
-from appliance.gateway.routes import admin, health, metrics, openai
+from appliance.gateway.routes import admin, health, maintenance, metrics, openai
 from appliance.gateway.tracing import build_tracer_provider
+from appliance.maintenance.service import build_maintenance
+from appliance.maintenance.traffic import counter_total
 from appliance.settings import Settings
 
 
@@ -54,6 +56,8 @@ def create_app(
                         timeout_seconds=settings.request_timeout_seconds,
                         tracing=_records_traces(settings, span_exporter))
     poller = EngineLoadPoller(router, settings.routing.metrics_poll_seconds, on_poll=admission.dispatch)
+    maintenance_service = build_maintenance(settings, registry=registry, replicas=replicas, router=router,
+                                     admission=admission, requests_total=counter_total(request_metrics.requests))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -61,9 +65,11 @@ def create_app(
         if supervisor is not None:
             await supervisor.start()
         poller.start()
+        maintenance_service.start()
         try:
             yield
         finally:
+            await maintenance_service.stop()
             await poller.stop()
             if supervisor is not None:
                 await supervisor.stop()
@@ -80,15 +86,17 @@ def create_app(
     app.state.registry = registry
     app.state.metrics = request_metrics
     app.state.tracer_provider = tracer_provider
+    app.state.maintenance = maintenance_service
     app.state.draining = False
     app.state.background = set()  # admin tasks in flight, kept referenced until done
     app.state.started_at = time.time()
-    install_error_handlers(app)
-    app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes)
+    install_error_handlers(app, on_error=request_metrics.count_unproxied)
+    app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes, on_reject=request_metrics.count_unproxied)
     app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(admin.router)
+    app.include_router(maintenance.router)
     return app
 
 

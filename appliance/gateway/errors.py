@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,6 +25,9 @@ ERROR_TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+ErrorHook = Callable[[str, MutableMapping[str, Any], int], None]
 
 
 class APIError(Exception):
@@ -57,23 +63,29 @@ def error_response(
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception path (ours, FastAPI's validation, Starlette's 404/405) to OpenAI's shape."""
+def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None) -> None:
+    """Route every exception path (ours, FastAPI's validation, Starlette's 404/405) to OpenAI's shape;
+    ``on_error(path, scope, status)`` sees each one (the request counter)."""
+
+    def answer(request: Request, status: int, message: str, **kwargs) -> JSONResponse:
+        if on_error is not None:
+            on_error(request.url.path, request.scope, status)
+        return error_response(status, message, **kwargs)
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
+        return answer(request, 400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return answer(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}")
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, 500, f"internal error: {type(exc).__name__}")

@@ -9,7 +9,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.gateway.errors import error_body
+from appliance.gateway.errors import ErrorHook, error_body
 
 
 class BodyTooLarge(Exception):
@@ -17,9 +17,10 @@ class BodyTooLarge(Exception):
 
 
 class RequestIntake:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: ErrorHook | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -28,7 +29,7 @@ class RequestIntake:
         scope["appliance.arrived"] = time.monotonic()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
+            await self._reject(scope, send)
             return
         received = 0
 
@@ -46,9 +47,11 @@ class RequestIntake:
             # whole body before answering, so an oversized body is always caught before the response starts.
             await self.app(scope, counting_receive, send)
         except BodyTooLarge:
-            await self._reject(send)
+            await self._reject(scope, send)
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope["path"], scope, 413)
         body = json.dumps(error_body(413, f"request body exceeds {self.max_bytes} bytes "
                                           "(max_request_bytes)")).encode()
         await send({"type": "http.response.start", "status": 413,

@@ -7,7 +7,8 @@ Prometheus scrapes, by a custom collector, so it can never drift from the truth.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +19,11 @@ from appliance.engine.replica import ReplicaState
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+# Client routes whose answers appliance_requests_total counts, by path; the label is the proxy's route name.
+CLIENT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+COUNTED = "appliance.counted"  # set in the ASGI scope once a request's answer is counted
 
 
 def buckets_with(base: Iterable[float], thresholds: Iterable[float]) -> tuple[float, ...]:
@@ -52,6 +58,14 @@ class RequestMetrics:
                                     buckets=buckets_with(LATENCY_BUCKETS, [0.001]), registry=registry)
         self.tokens = Counter("appliance_tokens", "Tokens processed, from the engines' usage reports.",
                               ["kind"], registry=registry)
+
+    def count_unproxied(self, path: str, scope: MutableMapping[str, Any], status: int) -> None:
+        """Count a client route's answer the proxy never saw (rejected by validation, auth, size, drain, or an
+        unexpected error), so appliance_requests_total holds every answer, not only the forwarded ones."""
+        route = CLIENT_ROUTES.get(path)
+        if route is not None and not scope.get(COUNTED):
+            scope[COUNTED] = True
+            self.requests.labels(route, str(status)).inc()
 
     def observe_usage(self, usage: dict | None) -> None:
         if not usage:

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from appliance.gateway.admission import Admission
 from appliance.gateway.errors import APIError, error_body
-from appliance.gateway.metrics import RequestMetrics
+from appliance.gateway.metrics import COUNTED, RequestMetrics
 from appliance.gateway.router import Outcome, Routable
 from appliance.gateway.tracing import RequestTrace
 
@@ -229,6 +229,7 @@ class Upstream:
             self.metrics.tpot.labels(exchange.route).observe((last - first) / (tokens - 1))
 
     def _finish(self, exchange: Exchange, status: int) -> None:
+        exchange.request.scope[COUNTED] = True  # the error handlers must not count it again
         self.metrics.requests.labels(exchange.route, str(status)).inc()
         if status < 400:
             self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)

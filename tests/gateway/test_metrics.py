@@ -29,6 +29,25 @@ def test_stream_latency_and_counts_are_recorded(client, stubs):
                  route="completions") >= 2
 
 
+def test_every_answer_on_a_client_route_is_counted_once(make_client, replicas):
+    """Rejections the proxy never sees (validation, unknown model, size, drain, full queue) count too: an
+    availability SLO computed from appliance_requests_total must see every answer."""
+    client = make_client(max_request_bytes=2048, admission={"max_queue": 0, "max_limit": 1})
+    client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    client.post("/v1/completions", json={"prompt": "x" * 4096})
+    for replica in replicas:
+        replica.drain()  # nothing routable and no restart planned: the proxy answers 503 (counted by it, once)
+    client.post("/v1/completions", json={"prompt": "hi"})
+    client.app.state.draining = True
+    client.post("/v1/completions", json={"prompt": "hi"})
+    client.get("/v1/models")  # not a generation route: not counted
+    samples = scrape(client)["appliance_requests"]
+    counted = {(s.labels["route"], s.labels["code"]): s.value for s in samples if s.name == "appliance_requests_total"}
+    assert counted == {("completions", "400"): 1, ("chat", "404"): 1, ("completions", "413"): 1,
+                       ("completions", "503"): 2}
+
+
 def test_ttft_buckets_include_the_slo(make_client):
     client = make_client(slo_ttft_p95_seconds=0.65)
     with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:

@@ -1,19 +1,19 @@
 """Admin API for operators and runbooks: fleet status, drain / undrain / restart one replica.
 
+Actions go through the maintenance controller, so each is logged, counted and annotated the same way whoever
+asks (see appliance/maintenance/controller.py); the rolling restart and the alert webhook are in maintenance.py.
+
 Protected by the admin token (``admin_token``); disabled (403) when none is configured.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from appliance.gateway.auth import require_admin
-from appliance.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
@@ -30,51 +30,28 @@ async def status(request: Request) -> dict:
         "queue_length": state.admission.queue_length,
         "in_flight": sum(r.status.outstanding for r in state.replicas()),
         "replicas": replicas,
+        "maintenance": state.maintenance.status(),
     }
 
 
 @router.post("/replicas/{name}/drain")
 async def drain(name: str, request: Request) -> dict:
-    replica = _replica(request, name)
-    replica.drain()
-    log.info("admin: drained %s", name)
+    replica = request.app.state.maintenance.controller.drain(name, "admin")
     return _replica_status(request, replica)
 
 
 @router.post("/replicas/{name}/undrain")
 async def undrain(name: str, request: Request) -> dict:
-    replica = _replica(request, name)
-    replica.undrain()
-    log.info("admin: undrained %s", name)
+    replica = request.app.state.maintenance.controller.undrain(name, "admin")
     return _replica_status(request, replica)
 
 
 @router.post("/replicas/{name}/restart", status_code=202)
 async def restart(name: str, request: Request) -> JSONResponse:
-    """Drain the replica, let in-flight requests finish (up to drain_timeout_seconds), restart it."""
-    replica = _replica(request, name)
-    if not hasattr(replica, "restart"):
-        raise APIError(409, f"{name} is not supervised by this appliance", code="not_supervised")
-    task = asyncio.create_task(_drain_and_restart(request, replica))
-    request.app.state.background.add(task)
-    task.add_done_callback(request.app.state.background.discard)
+    """Drain the replica, let in-flight requests finish (up to drain_timeout_seconds), restart it, wait until it is
+    ready, warm it, return it to routing. Requests that find no routable replica meanwhile wait in the queue."""
+    request.app.state.maintenance.controller.start_restart(name, "admin", "requested through the admin API")
     return JSONResponse({"replica": name, "action": "restart", "accepted": True}, status_code=202)
-
-
-async def _drain_and_restart(request: Request, replica) -> None:
-    replica.drain()
-    deadline = time.monotonic() + request.app.state.settings.drain_timeout_seconds
-    while replica.status.outstanding and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    log.info("admin: restarting %s (%d requests still in flight)", replica.name, replica.status.outstanding)
-    await replica.restart()
-
-
-def _replica(request: Request, name: str):
-    for replica in request.app.state.replicas():
-        if replica.name == name:
-            return replica
-    raise APIError(404, f"no replica named '{name}'", param="name", code="replica_not_found")
 
 
 def _replica_status(request: Request, replica) -> dict:
@@ -100,4 +77,8 @@ def _replica_status(request: Request, replica) -> dict:
         "crashes": getattr(status, "crashes", None),
         "model_load_seconds": getattr(status, "load_seconds", None),
         "last_start_time": getattr(status, "last_start_time", None),
+        "starts": getattr(status, "starts", None),
+        "planned_restart": getattr(status, "planned_restart", False),
+        "hung": state.maintenance.progress.is_hung(replica.name),
+        "last_maintenance_restart": state.maintenance.controller.last_restart.get(replica.name),
     }

@@ -22,7 +22,8 @@ async def sd_targets(request: Request) -> list[dict]:
     settings = request.app.state.settings
     groups = []
     for replica in request.app.state.replicas():
-        address = urlsplit(replica.url).netloc
+        url = urlsplit(replica.url)
+        address = f"{settings.engine_advertise_host}:{url.port}" if settings.engine_advertise_host else url.netloc
         groups.append({"targets": [address], "labels": {"replica": replica.name,
                                                         "model": settings.served_model_name}})
     return groups

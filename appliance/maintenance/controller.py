@@ -1,0 +1,184 @@
+"""The one place maintenance actions go through, whoever asks (admin API, schedule, alert webhook).
+
+It serialises them (one rolling restart at a time, never two restarts of one replica), and records each one the
+same way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown
+by /admin/status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+from appliance.gateway.errors import APIError
+from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.metrics import MaintenanceMetrics
+from appliance.maintenance.rolling import Outcome, RestartProcedure, RollingRestart
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    action: str
+    trigger: str
+    result: str
+    replica: str | None
+    detail: str
+    at: float  # unix time
+
+
+class MaintenanceController:
+    def __init__(self, replicas: Callable[[], Sequence[Any]], procedure: RestartProcedure, *, min_ready: int,
+                 metrics: MaintenanceMetrics, annotator: Annotator | None = None,
+                 is_hung: Callable[[str], bool] = lambda _name: False) -> None:
+        self._replicas = replicas
+        self.procedure = procedure
+        self.min_ready = min_ready
+        self.metrics = metrics
+        self.annotator = annotator or Annotator(None)
+        self.is_hung = is_hung
+        self.rolling: RollingRestart | None = None
+        self.restarting: set[str] = set()
+        self.last_action: ActionRecord | None = None
+        self.last_restart: dict[str, float] = {}  # replica -> unix time it was last restarted by maintenance
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- what is going on -------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.rolling is not None or bool(self.restarting)
+
+    def status(self) -> dict:
+        return {
+            "rolling_restart_in_progress": self.rolling is not None,
+            "rolling_restart_current": self.rolling.current if self.rolling else None,
+            "restarting": sorted(self.restarting),
+            "last_action": asdict(self.last_action) if self.last_action else None,
+            "last_restart": max(self.last_restart.values()) if self.last_restart else None,
+        }
+
+    # -- actions ----------------------------------------------------------------------------------------------
+
+    def start_rolling_restart(self, trigger: str, reason: str = "") -> asyncio.Task:
+        """Run a rolling restart in the background; APIError 409 if maintenance is already under way."""
+        self._check_supervised(self._replicas())
+        if self.busy:
+            raise APIError(409, "a restart is already in progress", code="maintenance_in_progress")
+        self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=self.min_ready,
+                                      on_replica=lambda r, o: self._replica_done(r, o, trigger))
+        return self._spawn(self._rolling(trigger, reason), "rolling-restart")
+
+    def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task:
+        """Drain, restart, warm and undrain one replica in the background; 404/409 as APIError."""
+        replica = self.replica(name)
+        self._check_supervised([replica])
+        if self.rolling is not None or name in self.restarting:
+            raise APIError(409, f"{name} is already being restarted", code="maintenance_in_progress")
+        self.restarting.add(name)
+        return self._spawn(self._restart(replica, trigger, reason), f"restart-{name}")
+
+    def drain(self, name: str, trigger: str) -> Any:
+        replica = self.replica(name)
+        replica.drain()
+        self.record("drain", trigger, "ok", replica=name)
+        return replica
+
+    def undrain(self, name: str, trigger: str) -> Any:
+        replica = self.replica(name)
+        replica.undrain()
+        self.record("undrain", trigger, "ok", replica=name)
+        return replica
+
+    def record(self, action: str, trigger: str, result: str, *, replica: str | None = None, detail: str = "") -> None:
+        self.last_action = ActionRecord(action, trigger, result, replica, detail, time.time())
+        self.metrics.action(action, trigger, result)
+        target = f" {replica}" if replica else ""
+        message = f"maintenance: {action}{target} ({trigger}): {result}" + (f": {detail}" if detail else "")
+        log.log(logging.INFO if result in ("ok", "dry_run") else logging.WARNING, message)
+        tags = ["maintenance", action, trigger, result] + ([replica] if replica else [])
+        self.annotator.annotate(message, tags)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.annotator.flush()
+
+    def replica(self, name: str) -> Any:
+        for replica in self._replicas():
+            if replica.name == name:
+                return replica
+        raise APIError(404, f"no replica named '{name}'", param="name", code="replica_not_found")
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    async def _rolling(self, trigger: str, reason: str) -> Outcome:
+        log.info("maintenance: rolling restart (%s) begins%s", trigger, f": {reason}" if reason else "")
+        self.annotator.annotate(f"maintenance: rolling restart begins ({trigger})" + (f": {reason}" if reason
+                                else ""), ["maintenance", "rolling_restart", trigger, "begin"])
+        try:
+            outcome = await self.rolling.run()
+        except Exception as exc:
+            outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
+            log.exception("rolling restart failed")
+        finally:
+            self.rolling = None
+        self.record("rolling_restart", trigger, outcome.result, detail=outcome.detail)
+        return outcome
+
+    async def _restart(self, replica: Any, trigger: str, reason: str) -> Outcome:
+        try:
+            # A hung replica's requests will not finish: waiting out the drain timeout would only delay the fix.
+            outcome = await self.procedure.run(replica, drain_seconds=0 if self.is_hung(replica.name) else None)
+        except Exception as exc:
+            outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
+            log.exception("restart of %s failed", replica.name)
+        finally:
+            self.restarting.discard(replica.name)
+        detail = outcome.detail + (f" ({reason})" if reason else "")
+        self._replica_done(replica, Outcome(outcome.result, detail, outcome.restarted), trigger)
+        return outcome
+
+    def _replica_done(self, replica: Any, outcome: Outcome, trigger: str) -> None:
+        if outcome.result == "ok":
+            self.last_restart[replica.name] = time.time()
+        self.record("restart", trigger, outcome.result, replica=replica.name, detail=outcome.detail)
+
+    def _spawn(self, coroutine, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @staticmethod
+    def _check_supervised(replicas: Sequence[Any]) -> None:
+        for replica in replicas:
+            if not hasattr(replica, "restart"):
+                raise APIError(409, f"{replica.name} is not supervised by this appliance", code="not_supervised")
+
+
+def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float = 30.0):
+    """One small completion straight to the replica (it is not routable yet); True on a 200."""
+
+    async def warm(replica: Any) -> bool:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as session, \
+                    session.post(f"{replica.url}/v1/completions", json=body) as response:
+                await response.read()
+                if response.status != 200:
+                    log.warning("%s: warm-up request answered %d", replica.name, response.status)
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.warning("%s: warm-up request failed: %s", replica.name, exc)
+            return False
+
+    return warm

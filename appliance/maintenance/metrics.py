@@ -1,0 +1,53 @@
+"""Maintenance metrics: actions taken (and not taken), alerts received, hung replicas, the next window.
+
+Counters are incremented where the action happens; the hung flags and the next window are state, read from the
+live objects at scrape time like the gateway's fleet metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+ACTIONS = ("drain", "undrain", "restart", "rolling_restart")
+TRIGGERS = ("admin", "schedule", "alert")
+RESULTS = ("ok", "failed", "aborted", "dry_run", "rate_limited", "skipped")
+
+
+class MaintenanceMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.actions = Counter(
+            "appliance_maintenance_actions", "Maintenance actions by action, what triggered them and their result "
+            "(ok, failed, aborted, dry_run, rate_limited, skipped).", ["action", "trigger", "result"],
+            registry=registry)
+        self.alerts = Counter(
+            "appliance_alert_webhook_alerts", "Alerts received on the Alertmanager webhook, by alert name, status "
+            "and what the webhook decided (the whitelisted action, none, or duplicate).",
+            ["alertname", "status", "action"], registry=registry)
+
+    def action(self, action: str, trigger: str, result: str) -> None:
+        self.actions.labels(action, trigger, result).inc()
+
+
+class MaintenanceCollector(Collector):
+    def __init__(self, hung_names: Callable[[], Sequence[str]], is_hung: Callable[[str], bool],
+                 next_window: Callable[[], float | None]) -> None:
+        self._names = hung_names
+        self._is_hung = is_hung
+        self._next_window = next_window
+
+    def collect(self) -> Iterable[Metric]:
+        hung = GaugeMetricFamily("appliance_replica_hung", "1 while a replica has requests running but generated "
+                                 "no token for maintenance.hung_after_seconds.", labels=["replica"])
+        for name in self._names():
+            hung.add_metric([name], 1.0 if self._is_hung(name) else 0.0)
+        yield hung
+        upcoming = self._next_window()
+        if upcoming is not None and not math.isnan(upcoming):
+            yield GaugeMetricFamily("appliance_maintenance_next_window_timestamp_seconds",
+                                    "Unix time the next maintenance window starts (absent when scheduled "
+                                    "maintenance is disabled).", value=upcoming)

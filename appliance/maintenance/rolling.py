@@ -1,0 +1,133 @@
+"""Restarting replicas without failing requests: one replica's drain -> restart -> ready -> warm -> undrain, and
+the rolling restart that does it to every replica in turn.
+
+Why each step:
+- ``planned_restart`` is set before the replica leaves routing: while it is set, the gateway queues requests it
+  cannot place (up to their queue timeout) instead of answering 503. That is what keeps a single-replica
+  appliance, or one whose other replicas are drained, from failing requests during the restart.
+- The replica comes back drained (``hold_when_ready``) and takes traffic only after it answered a warm-up
+  request: the first request after a start pays for lazy initialisation, and a client should not.
+- A rolling restart never leaves fewer than ``min_ready_replicas`` routable (capped at replicas - 1, so a single
+  replica can still be restarted): it waits for them up to ``min_ready_wait_seconds``, then skips.
+- A replica that is not back within ``restart_ready_timeout_seconds`` aborts the rolling restart, so the
+  replicas not yet restarted keep serving; it rejoins routing by itself if it becomes healthy later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Warmer = Callable[[Any], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class RestartTimeouts:
+    drain_seconds: float
+    ready_seconds: float
+    min_ready_wait_seconds: float = 60.0
+    poll_seconds: float = 0.2
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: str  # ok | aborted | skipped | failed
+    detail: str
+    restarted: tuple[str, ...] = ()
+
+
+class RestartProcedure:
+    """Restart one replica so that no request fails because of it."""
+
+    def __init__(self, timeouts: RestartTimeouts, warm: Warmer, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.timeouts = timeouts
+        self._warm = warm
+        self._clock = clock
+        self._sleep = sleep
+
+    async def run(self, replica: Any, *, drain_seconds: float | None = None) -> Outcome:
+        """``drain_seconds`` overrides the drain timeout (0 for a hung replica: its requests will not finish)."""
+        status = replica.status
+        status.planned_restart = True
+        status.hold_when_ready = True
+        done = False
+        try:
+            replica.drain()
+            drain = self.timeouts.drain_seconds if drain_seconds is None else drain_seconds
+            left = await self._wait(lambda: status.outstanding == 0, drain)
+            if not left:
+                log.warning("%s: %d request(s) still in flight after the drain timeout; restarting anyway",
+                            replica.name, status.outstanding)
+            since = time.time()
+            await replica.restart()
+            deadline = self._clock() + self.timeouts.ready_seconds
+            if not await self._wait(lambda: _ready_since(status, since), deadline - self._clock()):
+                return Outcome("aborted", f"{replica.name} not ready {self.timeouts.ready_seconds:.0f}s after "
+                               "its restart")
+            while not await self._warm(replica):
+                if self._clock() >= deadline:
+                    return Outcome("aborted", f"{replica.name} is up but did not answer its warm-up request")
+                await self._sleep(1.0)
+            status.hold_when_ready = False
+            replica.undrain()
+            status.planned_restart = False
+            done = True
+            return Outcome("ok", f"{replica.name} restarted and warmed", (replica.name,))
+        finally:
+            if not done:  # let it rejoin by itself if it recovers; stop holding requests for it
+                status.hold_when_ready = False
+                status.planned_restart = False
+
+    async def _wait(self, condition: Callable[[], bool], seconds: float) -> bool:
+        deadline = self._clock() + seconds
+        while not condition():
+            if self._clock() >= deadline:
+                return False
+            await self._sleep(self.timeouts.poll_seconds)
+        return True
+
+
+def _ready_since(status: Any, since: float) -> bool:
+    """The engine answered /health after ``since`` (it is then held drained, or ready if nobody held it)."""
+    return (getattr(status, "last_ready_time", None) or 0) >= since
+
+
+class RollingRestart:
+    """Every replica, one at a time, in order."""
+
+    def __init__(self, replicas: Callable[[], Sequence[Any]], procedure: RestartProcedure, *, min_ready: int,
+                 on_replica: Callable[[Any, Outcome], None] = lambda _r, _o: None) -> None:
+        self._replicas = replicas
+        self.procedure = procedure
+        self.min_ready = min_ready
+        self._on_replica = on_replica
+        self.current: str | None = None
+
+    async def run(self) -> Outcome:
+        replicas = list(self._replicas())
+        needed = min(self.min_ready, len(replicas) - 1)
+        restarted: list[str] = []
+        for replica in replicas:
+            others = [r for r in replicas if r is not replica]
+            enough = await self.procedure._wait(lambda others=others: sum(r.routable for r in others) >= needed,
+                                                self.procedure.timeouts.min_ready_wait_seconds)
+            if not enough:
+                return Outcome("skipped", f"fewer than {needed} other replica(s) routable; {replica.name} and the "
+                               "rest not restarted", tuple(restarted))
+            self.current = replica.name
+            try:
+                outcome = await self.procedure.run(replica)
+            finally:
+                self.current = None
+            self._on_replica(replica, outcome)
+            if outcome.result != "ok":
+                return Outcome("aborted", outcome.detail, tuple(restarted))
+            restarted.append(replica.name)
+        return Outcome("ok", f"restarted {', '.join(restarted)}", tuple(restarted))

@@ -1,0 +1,80 @@
+"""Maintenance wired together for the gateway: ``build_maintenance`` makes every piece from the settings and
+the gateway's own objects; ``Maintenance`` starts and stops them with the app's lifespan."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from appliance.collectors import engine_stats_dir
+from appliance.gateway.admission import Admission
+from appliance.gateway.router import Router
+from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.controller import MaintenanceController, http_warmer
+from appliance.maintenance.memory import MemoryWatch, process_memory_reader
+from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
+from appliance.maintenance.progress import ProgressMonitor
+from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, Warmer
+from appliance.maintenance.scheduler import MaintenanceScheduler
+from appliance.maintenance.traffic import TrafficSampler
+from appliance.maintenance.webhook import AlertActions
+from appliance.settings import Settings
+
+
+@dataclass
+class Maintenance:
+    controller: MaintenanceController
+    scheduler: MaintenanceScheduler
+    alerts: AlertActions
+    progress: ProgressMonitor
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        self.scheduler.stop()
+        await self.controller.close()
+
+    def status(self) -> dict:
+        return {**self.scheduler.status(), **self.controller.status()}
+
+
+def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Any]],
+                      router: Router, admission: Admission, requests_total: Callable[[], float],
+                      warm: Warmer | None = None, annotator: Annotator | None = None,
+                      memory: MemoryWatch | None = None) -> Maintenance:
+    m = settings.maintenance
+    metrics = MaintenanceMetrics(registry)
+    timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
+                               ready_seconds=m.restart_ready_timeout_seconds,
+                               min_ready_wait_seconds=m.min_ready_wait_seconds)
+    warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens)
+    annotator = annotator or Annotator(m.grafana_url, m.grafana_token, m.grafana_token_file)
+    traffic = TrafficSampler(requests_total, lambda: admission.queue_length,
+                             lookback_seconds=m.traffic_lookback_seconds, max_request_rate=m.max_request_rate,
+                             max_queue=m.max_queue)
+    progress = ProgressMonitor(lambda: [r.name for r in replicas()], lambda: router.load,
+                               hung_after_seconds=m.hung_after_seconds)
+    controller = MaintenanceController(replicas, RestartProcedure(timeouts, warm), min_ready=m.min_ready_replicas,
+                                       metrics=metrics, annotator=annotator, is_hung=progress.is_hung)
+    if memory is None and settings.collectors.enabled:
+        memory = MemoryWatch(process_memory_reader(replicas, engine_stats_dir(settings.collectors, settings.state_dir),
+                                                   max_age_seconds=settings.collectors.engine_stats_max_age_seconds),
+                             fragmentation_threshold=m.fragmentation_threshold,
+                             growth_threshold=m.memory_growth_threshold,
+                             growth_lookback_seconds=m.memory_growth_lookback_seconds)
+    scheduler = MaintenanceScheduler(m, controller, traffic, progress, memory)
+    alerts = AlertActions(controller, metrics, whitelist=m.alert_actions, dry_run=m.alert_dry_run,
+                          min_interval_seconds=m.alert_action_min_interval_seconds,
+                          want_rolling_restart=scheduler.want_rolling_restart, clock=time.monotonic)
+
+    def next_window() -> float | None:
+        upcoming = scheduler.next_window()
+        return upcoming.timestamp() if upcoming else None
+
+    registry.register(MaintenanceCollector(progress.names, progress.is_hung, next_window))
+    return Maintenance(controller, scheduler, alerts, progress)

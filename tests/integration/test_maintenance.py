@@ -1,0 +1,132 @@
+"""Maintenance against the shared 2-replica appliance (real vLLM engines): a rolling restart under steady load
+fails no request and restarts each replica exactly once; a planned restart while no other replica is routable
+makes requests wait in the gateway queue, and they succeed.
+
+The single-replica case is staged on the shared appliance (replica-0 drained, replica-1 restarted: during the
+restart no replica is routable, exactly as with ``replicas: 1``) rather than on an appliance of its own, which
+would cost CI a whole extra start and stop of the engines for the same code path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ADMIN_TOKEN
+
+pytestmark = pytest.mark.engine
+
+AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+BODY = {"model": "demo", "prompt": "Modules", "max_tokens": 8}
+# Steady, not saturating: back-to-back clients keep both cores busy in the gateway and the serving engine, and the
+# restarting engine then takes three times as long to start (about 150 s instead of 50 s on 2 cores).
+PAUSE_SECONDS = 0.2
+
+
+def admin(appliance, method: str, path: str) -> httpx.Response:
+    return httpx.request(method, f"{appliance.url}{path}", headers=AUTH, timeout=10)
+
+
+def status(appliance) -> dict:
+    response = admin(appliance, "GET", "/admin/status")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def replica_counts(appliance) -> dict[str, tuple[int, int]]:
+    return {r["name"]: (r["starts"], r["restarts"]) for r in status(appliance)["replicas"]}
+
+
+def wait_for_maintenance(appliance, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = status(appliance)
+        m = current["maintenance"]
+        if not m["rolling_restart_in_progress"] and not m["restarting"]:
+            return current
+        time.sleep(1)
+    raise TimeoutError(f"maintenance still running after {timeout}s:\n{appliance.log_tail()}")
+
+
+def test_rolling_restart_under_steady_load_fails_nothing(appliance):
+    appliance.wait_ready(timeout=300)
+    before = replica_counts(appliance)
+    served: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=200) as http:
+            while not stop.is_set():
+                try:
+                    response = http.post(f"{appliance.url}/v1/completions", json=BODY)
+                except httpx.HTTPError as exc:
+                    failures.append(repr(exc))
+                    continue
+                if response.status_code == 200:
+                    served.append(response.headers["x-appliance-replica"])
+                else:
+                    failures.append(f"{response.status_code} {response.text[:200]}")
+                time.sleep(PAUSE_SECONDS)
+
+    workers = [threading.Thread(target=client) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    try:
+        time.sleep(2)
+        started = time.monotonic()
+        accepted = admin(appliance, "POST", "/admin/rolling-restart")
+        assert accepted.status_code == 202, accepted.text
+        assert admin(appliance, "POST", "/admin/rolling-restart").status_code == 409  # one at a time
+        served_before = len(served)
+        final = wait_for_maintenance(appliance, timeout=800)  # two engine starts, slow on a busy host
+        took = time.monotonic() - started
+        during = len(served) - served_before
+        time.sleep(2)  # and it keeps serving on both afterwards
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=200)
+    print(f"\nrolling restart: {took:.0f}s, {during} requests served during it, {len(failures)} failed")
+    assert not failures, failures[:5]
+    last = final["maintenance"]["last_action"]
+    assert (last["action"], last["trigger"], last["result"]) == ("rolling_restart", "admin", "ok"), last
+    after = replica_counts(appliance)
+    for name, (starts, restarts) in before.items():
+        assert after[name] == (starts + 1, restarts + 1), (name, before, after)
+    assert during > 0
+    assert final["ready_replicas"] == 2
+    assert {r["state"] for r in final["replicas"]} == {"ready"}
+
+
+def test_requests_wait_for_a_planned_restart_when_no_replica_is_routable(appliance):
+    appliance.wait_ready(timeout=300)
+    before = replica_counts(appliance)
+    assert admin(appliance, "POST", "/admin/replicas/replica-0/drain").status_code == 200
+    try:
+        assert admin(appliance, "POST", "/admin/replicas/replica-1/restart").status_code == 202
+        deadline = time.monotonic() + 30
+        while appliance.ready_replicas() != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert appliance.ready_replicas() == 0  # nothing routable: only the planned restart to wait for
+
+        def one(_: int) -> tuple[int, str, float]:
+            sent = time.monotonic()
+            response = httpx.post(f"{appliance.url}/v1/completions", json=BODY, timeout=400)
+            return response.status_code, response.headers.get("x-appliance-replica", response.text[:200]), \
+                time.monotonic() - sent
+
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(one, range(3)))
+        wait_for_maintenance(appliance, timeout=400)
+    finally:
+        admin(appliance, "POST", "/admin/replicas/replica-0/undrain")
+    print(f"\nplanned restart with no routable replica: requests waited {[round(r[2]) for r in results]}s")
+    assert [(code, replica) for code, replica, _ in results] == [(200, "replica-1")] * 3
+    assert min(waited for *_, waited in results) > 5  # they really waited for the restart
+    assert replica_counts(appliance)["replica-1"] == (before["replica-1"][0] + 1, before["replica-1"][1] + 1)
+    appliance.wait_ready(timeout=60)

@@ -1,0 +1,95 @@
+"""Maintenance through the admin API over stub replicas: rolling restart (202, 409), single-replica planned
+restart where requests wait instead of failing, status, actions counted."""
+
+import threading
+import time
+
+from tests.maintenance.conftest import AUTH
+from tests.maintenance.test_webhook import actions, wait_idle
+
+
+def test_rolling_restart_is_accepted_runs_in_the_background_and_refuses_a_second(make_app):
+    client, replicas, registry = make_app()
+    for replica in replicas:
+        replica.restart_seconds = 0.3
+    response = client.post("/admin/rolling-restart", headers=AUTH)
+    assert response.status_code == 202
+    assert response.json()["replicas"] == ["replica-0", "replica-1"]
+    second = client.post("/admin/rolling-restart", headers=AUTH)
+    assert second.status_code == 409 and second.json()["error"]["code"] == "maintenance_in_progress"
+    status = wait_idle(client)
+    assert [r.status.restarts for r in replicas] == [1, 1]
+    assert status["maintenance"]["last_action"]["action"] == "rolling_restart"
+    assert status["maintenance"]["last_restart"] is not None
+    assert actions(registry, "rolling_restart", "ok", trigger="admin") == 1
+    assert client.post("/admin/rolling-restart").status_code == 401
+
+
+def test_single_replica_requests_wait_for_the_planned_restart_and_succeed(make_app):
+    client, replicas, registry = make_app(replica_count=1)
+    replicas[0].restart_seconds = 1.0
+    assert client.post("/admin/replicas/replica-0/restart", headers=AUTH).status_code == 202
+    while replicas[0].routable:
+        time.sleep(0.01)
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(client.post("/v1/completions",
+                                                                        json={"prompt": "x"}).status_code))
+    thread.start()
+    thread.join(10)
+    assert results == [200]
+    wait_idle(client)
+    assert actions(registry, "restart", "ok", trigger="admin") == 1
+
+
+def test_drain_and_undrain_are_counted(make_app):
+    client, _replicas, registry = make_app()
+    client.post("/admin/replicas/replica-0/drain", headers=AUTH)
+    client.post("/admin/replicas/replica-0/undrain", headers=AUTH)
+    assert actions(registry, "drain", "ok", trigger="admin") == 1
+    assert actions(registry, "undrain", "ok", trigger="admin") == 1
+
+
+def test_status_and_metrics_show_maintenance(make_app):
+    client, _replicas, registry = make_app(maintenance={"enabled": True, "window_cron": "0 3 * * *"})
+    m = client.get("/admin/status", headers=AUTH).json()["maintenance"]
+    assert m["enabled"] and m["next_window"].endswith("03:00:00+00:00")
+    assert m["hung_replicas"] == [] and m["rolling_restart_in_progress"] is False
+    assert registry.get_sample_value("appliance_maintenance_next_window_timestamp_seconds") == \
+        m["next_window_timestamp"]
+    assert registry.get_sample_value("appliance_replica_hung", {"replica": "replica-0"}) == 0
+    assert "appliance_replica_hung" in client.get("/metrics").text
+
+
+def test_format_status_shows_next_window_and_last_restart(make_app):
+    from appliance.admin_client import format_status
+
+    client, _replicas, _registry = make_app(maintenance={"enabled": True})
+    client.post("/admin/rolling-restart", headers=AUTH)
+    text = format_status(wait_idle(client))
+    assert "next window 20" in text and "last restart 20" in text
+    assert "last action: rolling_restart (admin) ok" in text
+
+
+def test_cli_restart_needs_a_replica_or_rolling(capsys):
+    from appliance.cli import main
+
+    assert main(["restart"]) == 2
+    assert main(["restart", "replica-0", "--rolling"]) == 2
+    assert "REPLICA or --rolling" in capsys.readouterr().err
+
+
+def test_replicas_this_appliance_does_not_run_cannot_be_restarted():
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from appliance.gateway.app import create_app
+    from appliance.settings import Settings
+    from tests.gateway.stub import StubReplica
+
+    external = [StubReplica("external-0", "http://127.0.0.1:9")]  # no restart(): like ExternalReplica
+    settings = Settings(admin_token="t0ken", collectors={"enabled": False})
+    with TestClient(create_app(settings, replicas=lambda: external, registry=CollectorRegistry())) as client:
+        for path in ("/admin/rolling-restart", "/admin/replicas/external-0/restart"):
+            response = client.post(path, headers=AUTH)
+            assert response.status_code == 409 and response.json()["error"]["code"] == "not_supervised"
+        assert client.post("/admin/replicas/nope/restart", headers=AUTH).status_code == 404
