@@ -7,19 +7,35 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
+# Where `appliance up` keeps the token it generated when none was configured (see ensure_admin_token).
+TOKEN_FILE = "admin-token"
 
 
 class AdminError(RuntimeError):
     """The admin call failed; the message is what the operator needs to see."""
 
 
-def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
+def admin_token() -> str | None:
+    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated under the state dir."""
     token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    path = os.path.join(os.environ.get("APPLIANCE_STATE_DIR", "var"), TOKEN_FILE)
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
+    token = admin_token()
     if not token:
         raise AdminError(f"{TOKEN_ENV} is not set: export the appliance's admin token first")
     request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method, data=b"" if method == "POST" else None,
@@ -54,4 +70,29 @@ def format_status(status: dict) -> str:
     if any(r["ejected"] for r in status["replicas"]):
         lines.append("* ejected from routing: " + "; ".join(
             f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
+    if status.get("maintenance"):
+        lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
+
+
+def format_maintenance(m: dict) -> list[str]:
+    """Next window, last restart, what maintenance is doing: the lines a runbook asks the operator to check."""
+    def when(unix: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(unix)) if unix else "never"
+
+    window = f"next window {m['next_window']}" if m.get("enabled") else "scheduled maintenance off"
+    lines = [f"maintenance: {window}; last restart {when(m.get('last_restart'))}"]
+    if m.get("rolling_restart_in_progress"):
+        lines.append(f"  rolling restart in progress (now: {m.get('rolling_restart_current') or '-'})")
+    if m.get("restarting"):
+        lines.append(f"  restarting: {', '.join(m['restarting'])}")
+    if m.get("restart_wanted"):
+        lines.append(f"  restart wanted, waiting for low traffic: {m['restart_wanted']}")
+    if m.get("hung_replicas"):
+        lines.append(f"  HUNG (running requests, no tokens): {', '.join(m['hung_replicas'])}")
+    last = m.get("last_action")
+    if last:
+        target = f" {last['replica']}" if last.get("replica") else ""
+        lines.append(f"  last action: {last['action']}{target} ({last['trigger']}) {last['result']} "
+                     f"at {when(last['at'])}")
+    return lines

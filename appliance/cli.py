@@ -41,8 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("serve", help="gateway + engine replicas; drains on SIGTERM"))
     p.set_defaults(handler=cmd_serve)
 
-    p = with_config(sub.add_parser("up", help="the embedded default: demo model if none configured, then serve"))
+    p = with_config(sub.add_parser("up", help="the embedded default: demo model if none configured, serve, plus "
+                                              "local Prometheus and Alertmanager when installed"))
+    p.add_argument("--no-monitoring", action="store_true",
+                   help="do not start local Prometheus/Alertmanager (compose runs its own)")
     p.set_defaults(handler=cmd_up)
+
+    p = with_config(sub.add_parser("monitoring-config", help="render Prometheus' and Alertmanager's configuration "
+                                                             "and the alert rules into a folder (compose init)"))
+    p.add_argument("--out", type=Path, required=True, help="folder to write (created if missing)")
+    p.add_argument("--gateway", default="127.0.0.1:8000", help="gateway host:port as Prometheus reaches it")
+    p.add_argument("--alertmanager", default="127.0.0.1:9093", help="Alertmanager host:port; empty: none")
+    p.add_argument("--prometheus", default="localhost:9090", help="Prometheus' own host:port (self-scrape)")
+    p.add_argument("--shared", action="store_true", help="make every file world-readable (other containers' users)")
+    p.set_defaults(handler=cmd_monitoring_config)
 
     p = with_config(sub.add_parser("config", help="print the effective configuration as YAML"))
     p.add_argument("--show-secrets", action="store_true", help="print api_keys and admin_token in clear")
@@ -60,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--undo", action="store_true", help="return a drained replica to routing")
     p.set_defaults(handler=cmd_drain)
 
-    p = sub.add_parser("restart", help="drain a replica, let it finish, restart its engine")
+    p = sub.add_parser("restart", help="drain a replica, let it finish, restart, warm and return it; or --rolling")
     _admin_flags(p)
-    p.add_argument("replica", help="e.g. replica-0")
+    p.add_argument("replica", nargs="?", help="e.g. replica-0")
+    p.add_argument("--rolling", action="store_true", help="restart every replica, one at a time (a rolling restart)")
     p.set_defaults(handler=cmd_restart)
 
     p = sub.add_parser("demo-model", help="build the tiny demo Llama (offline, deterministic)")
@@ -75,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.loadtest.cli import register as register_loadtest
 
     register_loadtest(sub)
+
+    from appliance.monitoring.snapshot import register as register_snapshot
+
+    register_snapshot(sub)
 
     p = sub.add_parser("quantize", help="BF16/FP16 HF checkpoint -> W8A8 INT8 compressed-tensors checkpoint")
     p.add_argument("src", type=Path)
@@ -125,10 +142,15 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_restart(args: argparse.Namespace) -> int:
     from appliance.admin_client import call
 
-    result = _admin(lambda: call(args.url, "POST", f"/admin/replicas/{args.replica}/restart"))
+    if bool(args.rolling) == bool(args.replica):
+        print("appliance restart: give a REPLICA or --rolling (not both)", file=sys.stderr)
+        return EXIT_USAGE
+    path = "/admin/rolling-restart" if args.rolling else f"/admin/replicas/{args.replica}/restart"
+    result = _admin(lambda: call(args.url, "POST", path))
     if result is None:
         return 1
-    print(f"{args.replica}: restart accepted (drains first); follow with `appliance status`")
+    what = "rolling restart of " + ", ".join(result.get("replicas", [])) if args.rolling else args.replica
+    print(f"{what}: accepted (each replica drains first); follow with `appliance status`")
     return 0
 
 
@@ -163,11 +185,56 @@ def cmd_up(args: argparse.Namespace) -> int:
     _setup_logging(settings.log_level)
     if settings.model is None:
         settings = settings.model_copy(update={"model": ensure_demo_model(settings.state_dir / "models")})
+    if settings.admin_token is None:
+        settings = settings.model_copy(update={"admin_token": ensure_admin_token(settings.state_dir)})
+        print(f"appliance: admin token in {settings.state_dir / 'admin-token'} (status/drain/restart read it there; "
+              "Alertmanager posts alerts with it)")
+    monitoring = None
+    if settings.monitoring.local and not args.no_monitoring:
+        from appliance.monitoring.local import LocalMonitoring
+
+        monitoring = LocalMonitoring(settings)
+        for service in monitoring.start():
+            print(f"appliance: {service.name:<12} {service.url}")
     base = f"http://{settings.host}:{settings.port}"
-    print(f"appliance: gateway {base}/v1  (model '{settings.served_model_name}', {settings.replicas} replica(s))")
-    print(f"appliance: health  {base}/health/ready   engine logs {settings.state_dir / 'logs'}")
+    print(f"appliance: gateway      {base}/v1  (model '{settings.served_model_name}', {settings.replicas} replica(s))")
+    print(f"appliance: metrics      {base}/metrics   health {base}/health/ready")
+    print(f"appliance: logs         {settings.state_dir / 'logs'}")
     sys.stdout.flush()
-    return serve(settings)
+    try:
+        return serve(settings)
+    finally:
+        if monitoring is not None:
+            monitoring.stop()
+
+
+def cmd_monitoring_config(args: argparse.Namespace) -> int:
+    from appliance.monitoring.bundle import write_bundle
+
+    settings = _settings(args)
+    bundle = write_bundle(args.out, settings, gateway=args.gateway, alertmanager=args.alertmanager or None,
+                          prometheus=args.prometheus, shared=args.shared)
+    print(f"appliance: wrote {bundle.prometheus_config}, {bundle.alertmanager_config} and {bundle.rules_dir}/")
+    return 0
+
+
+def ensure_admin_token(state_dir: Path) -> str:
+    """The embedded default's admin token: generated once into the state dir (owner-only), so that the local
+    stack's operator commands and Alertmanager's webhook work without setting one up."""
+    import secrets
+
+    from appliance.admin_client import TOKEN_FILE
+
+    path = state_dir / TOKEN_FILE
+    if path.is_file() and (token := path.read_text().strip()):
+        return token
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    tmp = path.with_name(f".{TOKEN_FILE}.tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(token + "\n")
+    tmp.replace(path)
+    return token
 
 
 def ensure_demo_model(models_dir: Path) -> Path:
@@ -191,6 +258,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if not args.show_secrets:
         data["api_keys"] = ["<redacted>"] * len(settings.api_keys)
         data["admin_token"] = "<redacted>" if settings.admin_token else None
+        data["maintenance"]["grafana_token"] = "<redacted>" if settings.maintenance.grafana_token else None
     print(yaml.safe_dump(data, sort_keys=False), end="")
     if args.engines and settings.model is not None:
         from appliance.engine.supervisor import build_specs

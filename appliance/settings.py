@@ -21,6 +21,8 @@ from pydantic_settings import (
 )
 
 from appliance.collectors.settings import CollectorSettings
+from appliance.maintenance.settings import MaintenanceSettings
+from appliance.monitoring.settings import MonitoringSettings
 
 
 class ConfigError(ValueError):
@@ -124,6 +126,14 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Gateway bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
     engine_base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
+    engine_host: str = Field(
+        "127.0.0.1", description="Engines' bind address. Keep loopback unless Prometheus scrapes them from another "
+        "network namespace (compose: 0.0.0.0 on the private compose network, never published)."
+    )
+    engine_advertise_host: str | None = Field(
+        None, description="Host name /sd/targets gives Prometheus for the engines; default engine_host "
+        "(compose: the appliance service's name)."
+    )
     engine_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Route to these engines (comma-separated URLs) instead of starting any."
     )
@@ -151,6 +161,8 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
+    maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod

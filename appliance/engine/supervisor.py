@@ -26,7 +26,7 @@ def build_specs(settings: Settings, model: Path) -> list[ReplicaSpec]:
     specs = []
     for index, placement in enumerate(placements):
         port = settings.engine_base_port + index
-        argv = engine_argv(model, settings.served_model_name, port, settings.engine)
+        argv = engine_argv(model, settings.served_model_name, port, settings.engine, host=settings.engine_host)
         argv += engine_memory_argv(placement, settings.engine)
         specs.append(
             ReplicaSpec(

@@ -11,7 +11,16 @@ import signal
 import openai
 import pytest
 
-from tests.integration.harness import ApplianceProcess
+from tests.integration.harness import ApplianceProcess, free_port_range
+
+ADMIN_TOKEN = "integration-admin"
+SHARED_ENV = {
+    "APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN,
+    # An engine restarts in 45-85 s on an idle machine (over 200 s on a busy one): requests that find no
+    # routable replica during a planned restart (test_maintenance.py) wait in the gateway queue that long
+    # instead of getting a 429. No other test queues for long: their concurrency stays under the limits.
+    "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "300",
+}
 
 
 @pytest.hookimpl(wrapper=True)
@@ -27,7 +36,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 @pytest.fixture(scope="session")
 def appliance(demo_model_int8, tmp_path_factory):
-    app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2)
+    # `appliance up`, the README's command: the engines and the gateway, plus a local Prometheus and Alertmanager
+    # (when installed) that scrape every second so test_monitoring.py need not wait for production intervals.
+    monitoring = free_port_range(2)
+    env = {**SHARED_ENV, "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(monitoring),
+           "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(monitoring + 1),
+           "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1"}
+    app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2,
+                           env=env, command="up")
     app.start()
     try:
         app.wait_ready(timeout=400)

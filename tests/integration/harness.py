@@ -49,6 +49,7 @@ class ApplianceProcess:
     state_dir: Path
     replicas: int = 2
     env: dict[str, str] = field(default_factory=dict)
+    command: str = "serve"  # or "up": serve plus local Prometheus and Alertmanager
     proc: subprocess.Popen | None = None
     port: int = 0
     engine_pids_seen: set[int] = field(default_factory=set)
@@ -77,7 +78,7 @@ class ApplianceProcess:
         })
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = (self.state_dir / "appliance.log").open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve"], env=env, stdout=log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", self.command], env=env, stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 
@@ -128,6 +129,15 @@ class ApplianceProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def monitoring_processes(self) -> list[psutil.Process]:
+        """The local Prometheus and Alertmanager `appliance up` started."""
+        assert self.proc is not None
+        try:
+            children = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [c for c in children if "prometheus" in c.name()]
 
     def leftover_engine_processes(self) -> list[int]:
         """Engine processes this appliance started that still exist (should be none after stop)."""

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 pytestmark = pytest.mark.engine
@@ -99,6 +100,7 @@ def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
     body = {"model": "demo", "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     events: list[str] = []
+    monitors = appliance.monitoring_processes()  # `appliance up`'s Prometheus and Alertmanager, when installed
     with httpx.stream("POST", f"{appliance.url}/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -125,3 +127,4 @@ def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
     assert appliance.proc.wait(timeout=120) == 0
     time.sleep(1)
     assert appliance.leftover_engine_processes() == []
+    assert [p.pid for p in monitors if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []

@@ -1,0 +1,85 @@
+"""The monitoring bundle: every file Prometheus and Alertmanager read, rendered into one folder.
+
+`appliance up` renders it under the state dir for its local Prometheus and Alertmanager; compose renders it
+into a shared volume with `appliance monitoring-config` (an init container) before those containers start.
+Same templates, same renderer: the two deployments cannot drift apart. Each file is written whole (temporary
+file, then rename), so a reader never sees half a configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.monitoring.alertmanager import render_alertmanager_config
+from appliance.monitoring.prometheus import RULE_FILES, render_prometheus_config
+from appliance.settings import ConfigError, Settings
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Where the rendered files are."""
+
+    root: Path
+
+    @property
+    def prometheus_config(self) -> Path:
+        return self.root / "prometheus.yml"
+
+    @property
+    def alertmanager_config(self) -> Path:
+        return self.root / "alertmanager.yml"
+
+    @property
+    def rules_dir(self) -> Path:
+        return self.root / "rules"
+
+
+def assets_dir(settings: Settings) -> Path:
+    """The folder holding alerts/ and dashboards/: configured, or the source tree this package runs from."""
+    root = settings.monitoring.assets_dir or Path(__file__).resolve().parents[2]
+    if not (root / "alerts" / "alertmanager.yml").is_file():
+        raise ConfigError(f"monitoring.assets_dir: {root} holds no alerts/alertmanager.yml "
+                          "(set APPLIANCE_MONITORING__ASSETS_DIR to the folder with alerts/ and dashboards/)")
+    return root
+
+
+def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: str | None, prometheus: str,
+                 env: Mapping[str, str] | None = None, shared: bool = False) -> Bundle:
+    """Render Prometheus' and Alertmanager's configuration and copy the rules into ``out``.
+
+    ``env`` fills the Alertmanager template's webhook URLs; the appliance's own webhook defaults to the gateway's
+    /admin/alerts with the admin token. ``shared``: files readable by other users (compose containers run as
+    other users); otherwise the Alertmanager config, which holds the admin token, is private to this user.
+    """
+    alerts = assets_dir(settings) / "alerts"
+    values = dict(os.environ if env is None else env)
+    values.setdefault("APPLIANCE_ALERTS_WEBHOOK_URL", f"http://{gateway}/admin/alerts")
+    if settings.admin_token:
+        values.setdefault("APPLIANCE_ADMIN_TOKEN", settings.admin_token)
+    bundle = Bundle(out)
+    bundle.rules_dir.mkdir(parents=True, exist_ok=True)
+    for name in RULE_FILES:
+        _write(bundle.rules_dir / name, (alerts / name).read_text(), 0o644)
+    _write(bundle.prometheus_config, render_prometheus_config(
+        gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
+        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds), 0o644)
+    _write(bundle.alertmanager_config, render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values),
+           0o644 if shared else 0o600)
+    return bundle
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+

@@ -1,0 +1,52 @@
+"""The monitoring bundle: one renderer for `appliance up` and compose; whole files, private secrets."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import yaml
+
+from appliance.monitoring.bundle import assets_dir, write_bundle
+from appliance.settings import ConfigError, Settings
+
+
+def _receivers(bundle) -> dict[str, dict]:
+    return {r["name"]: r for r in yaml.safe_load(bundle.alertmanager_config.read_text())["receivers"]}
+
+
+def test_writes_configs_and_rules(tmp_path) -> None:
+    bundle = write_bundle(tmp_path, Settings(admin_token="s3cret"), gateway="127.0.0.1:8000",
+                          alertmanager="127.0.0.1:9093", prometheus="127.0.0.1:9090", env={})
+    assert sorted(p.name for p in bundle.rules_dir.iterdir()) == ["alerts.rules.yaml", "recording.rules.yaml"]
+    assert (bundle.rules_dir / "alerts.rules.yaml").read_text() == \
+        (assets_dir(Settings()) / "alerts" / "alerts.rules.yaml").read_text()
+    # The appliance's own receiver posts to the gateway's webhook with the admin token.
+    webhook = _receivers(bundle)["appliance"]["webhook_configs"][0]
+    assert webhook["url"] == "http://127.0.0.1:8000/admin/alerts"
+    assert "s3cret" in bundle.alertmanager_config.read_text()
+    assert not list(tmp_path.rglob(".*"))  # no temporary files left behind
+
+
+def test_alertmanager_config_holding_the_token_is_private_unless_shared(tmp_path) -> None:
+    settings = Settings(admin_token="s3cret")
+    private = write_bundle(tmp_path / "local", settings, gateway="g:1", alertmanager=None, prometheus="p:2", env={})
+    shared = write_bundle(tmp_path / "compose", settings, gateway="g:1", alertmanager=None, prometheus="p:2", env={},
+                          shared=True)
+    assert stat.S_IMODE(private.alertmanager_config.stat().st_mode) == 0o600
+    assert stat.S_IMODE(shared.alertmanager_config.stat().st_mode) == 0o644
+
+
+def test_webhook_urls_come_from_the_environment(tmp_path) -> None:
+    env = {"APPLIANCE_PAGER_WEBHOOK_URL": "https://pager.example/hook"}
+    bundle = write_bundle(tmp_path, Settings(admin_token="t"), gateway="g:1", alertmanager=None, prometheus="p:2",
+                          env=env)
+    receivers = _receivers(bundle)
+    assert receivers["pager"]["webhook_configs"][0]["url"] == "https://pager.example/hook"
+    assert not receivers["ticket"].get("webhook_configs")  # unset: a null receiver, still a valid config
+
+
+def test_an_assets_dir_without_alerts_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="assets_dir"):
+        write_bundle(tmp_path / "out", Settings(monitoring={"assets_dir": tmp_path}), gateway="g:1",
+                     alertmanager=None, prometheus="p:2", env={})
