@@ -160,6 +160,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # libraries that log every request or job at INFO drown the appliance's own lines
+        for noisy in ("httpx", "apscheduler"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
