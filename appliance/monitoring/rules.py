@@ -148,12 +148,16 @@ def recording_groups(config: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _burn_alerts(config: Mapping[str, Any], name: str, slo: str, recorded: str, what: str) -> list[Alert]:
     objective = float(config["slos"][slo]["objective"])
+    min_rate = float(config["slos"]["min_request_rate"])
     app = config["selectors"]["appliance"]
     alerts = []
     for burn in config["burn_rates"]:
         bound = f"({burn['factor']} * (1 - {objective}))"
+        # The traffic guard keeps a few failed requests on an idle appliance from paging: the ratio of a
+        # handful of requests says little about the service.
         expr = (f"job:{recorded}:ratio_rate{burn['long']}{{{app}}} > {bound}\n"
-                f"and\njob:{recorded}:ratio_rate{burn['short']}{{{app}}} > {bound}\n")
+                f"and\njob:{recorded}:ratio_rate{burn['short']}{{{app}}} > {bound}\n"
+                f"and\njob:appliance_requests:rate{burn['short']}{{{app}}} > {min_rate}\n")
         alerts.append(Alert(
             name=name, expr=expr, severity=burn["severity"], for_=burn["for"],
             labels={"long": burn["long"], "short": burn["short"]},
