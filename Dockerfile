@@ -13,7 +13,9 @@ COPY pyproject.toml README.md ./
 COPY appliance ./appliance
 COPY alerts ./alerts
 COPY dashboards ./dashboards
-RUN pip install "pydantic-settings>=2.6" "pyyaml>=6" && pip install --no-deps .
+# What `appliance monitoring-config` imports (tests/monitoring/test_bundle.py keeps that list true).
+RUN pip install "pydantic-settings>=2.6" "pyyaml>=6" "httpx>=0.27" "prometheus-client>=0.20" \
+    && pip install --no-deps .
 ENTRYPOINT ["appliance"]
 CMD ["monitoring-config", "--help"]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import stat
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -50,3 +52,21 @@ def test_an_assets_dir_without_alerts_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="assets_dir"):
         write_bundle(tmp_path / "out", Settings(monitoring={"assets_dir": tmp_path}), gateway="g:1",
                      alertmanager=None, prometheus="p:2", env={})
+
+
+def test_monitoring_config_needs_only_the_config_images_packages(tmp_path) -> None:
+    """compose's init container has pydantic-settings, PyYAML, httpx and prometheus-client, not the engine stack:
+    the command must not import vLLM, torch, FastAPI, aiohttp or matplotlib."""
+    script = f"""
+import sys
+class Forbid:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {{"vllm", "torch", "fastapi", "aiohttp", "matplotlib", "transformers", "uvicorn"}}:
+            raise ImportError("the config image does not have " + name)
+sys.meta_path.insert(0, Forbid())
+from appliance.cli import main
+sys.exit(main(["monitoring-config", "--out", {str(tmp_path)!r}, "--gateway", "appliance:8000"]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "prometheus.yml").is_file()
