@@ -6,12 +6,17 @@ must stay the last user of the fixture (its name sorts last on purpose).
 
 from __future__ import annotations
 
+import shutil
 import signal
+from pathlib import Path
 
 import openai
 import pytest
 
+from appliance.monitoring import rules
 from tests.integration.harness import ApplianceProcess, free_port_range
+
+REPO = Path(__file__).resolve().parents[2]
 
 ADMIN_TOKEN = "integration-admin"
 SHARED_ENV = {
@@ -34,6 +39,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
+def live_assets(root: Path) -> Path:
+    """alerts/ rendered by the same generator from alerts/config.yaml with one change, the `for:` of
+    ApplianceReplicaNotReady cut from minutes to seconds, so that a killed engine's alert fires and resolves
+    within one engine restart (test_monitoring.py); dashboards/ as committed."""
+    config = rules.load_config()
+    config["alerts"]["ApplianceReplicaNotReady"]["for"] = "5s"
+    (root / "alerts").mkdir()
+    for name, text in rules.render(config).items():
+        (root / "alerts" / name).write_text(text)
+    shutil.copy(REPO / "alerts" / "alertmanager.yml", root / "alerts")
+    (root / "dashboards").symlink_to(REPO / "dashboards")
+    return root
+
+
 @pytest.fixture(scope="session")
 def appliance(demo_model_int8, tmp_path_factory):
     # `appliance up`, the README's command: the engines and the gateway, plus a local Prometheus and Alertmanager
@@ -41,7 +60,14 @@ def appliance(demo_model_int8, tmp_path_factory):
     monitoring = free_port_range(2)
     env = {**SHARED_ENV, "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(monitoring),
            "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(monitoring + 1),
-           "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1"}
+           "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1",
+           "APPLIANCE_MONITORING__ASSETS_DIR": str(live_assets(tmp_path_factory.mktemp("assets"))),
+           # Scheduled maintenance on, so its metrics (next window) exist, but it never acts during the tests:
+           # the window is a month away and the memory triggers cannot be reached.
+           "APPLIANCE_MAINTENANCE__ENABLED": "true",
+           "APPLIANCE_MAINTENANCE__WINDOW_CRON": "0 0 1 1 *",
+           "APPLIANCE_MAINTENANCE__FRAGMENTATION_THRESHOLD": "1",
+           "APPLIANCE_MAINTENANCE__MEMORY_GROWTH_THRESHOLD": "1000"}
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2,
                            env=env, command="up")
     app.start()

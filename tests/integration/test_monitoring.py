@@ -9,8 +9,13 @@ production group waits (10 s for the appliance's own receiver).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,11 +23,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.monitoring.dashboards import DASHBOARDS
+from appliance.monitoring.promql import metric_names
 from appliance.monitoring.snapshot import SnapshotRequest, snapshot
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.engine
 T = TypeVar("T")
+# Metrics only NVML and the CUDA caching allocator provide.
+GPU_ONLY = re.compile(r"^appliance_(gpu|replica_gpu|engine_gpu)_|^appliance_engine_(allocation_retries|oom)_total$")
 
 
 @dataclass
@@ -114,11 +123,62 @@ def test_a_firing_alert_reaches_alertmanager_and_the_appliance_webhook(stack: St
     eventually(recorded, 45, "the appliance's /admin/alerts received the Watchdog from Alertmanager")
 
 
-def test_dashboard_queries_return_live_data(stack: Stack, tmp_path) -> None:
-    out = tmp_path / "snapshot"
-    document = snapshot(SnapshotRequest(prometheus=stack.prometheus, dashboard="appliance-overview", out=out,
-                                        start="now-5m", end="now", step="2s", scrape_interval=1))
-    status = {panel["title"]: panel["status"] for panel in document["panels"]}
-    assert "error" not in status.values(), status  # the real Prometheus accepted every query
-    assert status["Request rate"] == "ok", status
-    assert (out / "index.html").is_file() and len(list((out / "panels").glob("*.png"))) == len(status)
+def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_path) -> None:
+    """Every query of every panel of every dashboard returns data from the live appliance, except panels whose
+    every metric needs a GPU (NVML, the CUDA allocator): on this CPU host those collectors are absent, by design
+    and tested in tests/collectors. Maintenance panels have data from test_maintenance.py's restarts."""
+    with _load(stack.gateway, clients=3, seconds=8):
+        time.sleep(8)
+    time.sleep(3)  # a few more scrapes, so the last requests are in Prometheus
+    empty: dict[str, list[str]] = {}
+    for uid in DASHBOARDS:
+        document = snapshot(SnapshotRequest(prometheus=stack.prometheus, dashboard=uid, out=tmp_path / uid,
+                                            start="now-15m", end="now", step="2s", scrape_interval=1))
+        for panel in document["panels"]:
+            metrics = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+            if panel["status"] != "ok" and not (metrics and all(GPU_ONLY.match(m) for m in metrics)):
+                empty.setdefault(uid, []).append(f"{panel['title']} ({panel['status']})")
+        assert (tmp_path / uid / "index.html").is_file()
+    assert not empty, empty
+
+
+def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after_the_restart(
+        stack: Stack, appliance) -> None:
+    victim = appliance.vllm_server_pid(1)
+    os.kill(victim, signal.SIGKILL)
+    selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-1", alertstate="firing"}'
+    eventually(lambda: stack.query(selector), 60, "ApplianceReplicaNotReady firing in Prometheus")
+    eventually(lambda: _active_in_alertmanager(stack, "ApplianceReplicaNotReady", "replica-1"), 30,
+               "ApplianceReplicaNotReady active in Alertmanager")
+    appliance.wait_ready(timeout=300)
+    eventually(lambda: not stack.query(selector), 30, "the alert resolved in Prometheus after the restart")
+    eventually(lambda: not _active_in_alertmanager(stack, "ApplianceReplicaNotReady", "replica-1"), 30,
+               "the alert resolved in Alertmanager")
+
+
+def _active_in_alertmanager(stack: Stack, alertname: str, replica: str) -> bool:
+    alerts = httpx.get(f"{stack.alertmanager}/api/v2/alerts", params={"filter": f'alertname="{alertname}"'},
+                       timeout=5).json()
+    return any(a["labels"].get("replica") == replica and a["status"]["state"] == "active" for a in alerts)
+
+
+@contextlib.contextmanager
+def _load(gateway: str, clients: int, seconds: float) -> Iterator[None]:
+    """Steady streamed completions from a few client threads while the block runs."""
+    stop = threading.Event()
+
+    def client() -> None:
+        body = {"model": "demo", "prompt": "The import system", "max_tokens": 16, "stream": True}
+        while not stop.is_set():
+            with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=60) as response:
+                response.read()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
