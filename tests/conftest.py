@@ -36,3 +36,15 @@ def demo_model_int8(demo_models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def demo_model_bf16(demo_model_int8: Path) -> Path:
     return demo_model_int8.with_name("demo-bf16")
+
+
+@pytest.fixture
+def stubs():
+    """Two stub upstreams speaking vLLM's OpenAI API, for the gateway's and maintenance's unit tests (never what a
+    test claims to verify about serving: that is tests/integration, on real engines)."""
+    from tests.gateway.stub import StubUpstream
+
+    upstreams = [StubUpstream().start(), StubUpstream().start()]
+    yield upstreams
+    for upstream in upstreams:
+        upstream.stop()

@@ -3,15 +3,7 @@ from fastapi.testclient import TestClient
 
 from appliance.gateway.app import create_app
 from appliance.settings import Settings
-from tests.gateway.stub import StubReplica, StubUpstream
-
-
-@pytest.fixture
-def stubs():
-    upstreams = [StubUpstream().start(), StubUpstream().start()]
-    yield upstreams
-    for upstream in upstreams:
-        upstream.stop()
+from tests.gateway.stub import StubReplica
 
 
 @pytest.fixture

@@ -4,18 +4,9 @@ from prometheus_client import CollectorRegistry
 
 from appliance.gateway.app import create_app
 from appliance.settings import Settings
-from tests.gateway.stub import StubUpstream
 from tests.maintenance.support import fleet
 
 AUTH = {"authorization": "Bearer t0ken"}
-
-
-@pytest.fixture
-def stubs():
-    upstreams = [StubUpstream().start(), StubUpstream().start()]
-    yield upstreams
-    for upstream in upstreams:
-        upstream.stop()
 
 
 @pytest.fixture
