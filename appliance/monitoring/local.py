@@ -66,11 +66,7 @@ class LocalMonitoring:
 
     def start(self, ready_timeout: float = 20.0) -> list[Service]:
         """Start what :meth:`plan` finds; returns the services that came up ready."""
-        return self.launch(self.plan(), ready_timeout)
-
-    def launch(self, services: list[Service], ready_timeout: float = 20.0) -> list[Service]:
-        """Start planned services; returns those that came up ready."""
-        self.services = services
+        self.services = self.plan()
         for service in self.services:
             service.log_path.parent.mkdir(parents=True, exist_ok=True)
             with service.log_path.open("ab") as out:
