@@ -2,7 +2,8 @@
 
 Both come from the same sources as the memory collector (the replica's process tree, and the allocator
 statistics the engine plugin writes), read in-process when the maintenance job runs. Growth is measured against
-the lowest reading within the look-back since the replica's current process started, so a restart resets it.
+the lowest reading within the look-back since the replica's current process became ready: a starting engine's
+few megabytes are not a baseline (against them a loaded model reads as 1000x growth), and a restart resets it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class MemoryReading:
     root_pid: int
     resident_bytes: int | None
     fragmentation_ratio: float | None  # the worst of the replica's allocators, 0..1
+    serving: bool = True  # ready (or draining): its model is loaded and its KV cache allocated
 
 
 class MemoryWatch:
@@ -54,6 +56,9 @@ class MemoryWatch:
         return wanted
 
     def _growth(self, name: str, reading: MemoryReading, now: float) -> float | None:
+        if not reading.serving:  # starting or restarting: its memory is not yet what it serves with
+            self._history.pop(name, None)
+            return None
         if reading.resident_bytes is None:
             return None
         pid, samples = self._history.get(name, (reading.root_pid, deque()))
@@ -71,17 +76,20 @@ def process_memory_reader(replicas, stats_dir, *, max_age_seconds: float) -> Cal
     """Readings from the replicas' process trees and the engine plugin's allocator files."""
     from appliance.collectors.memory import AllocatorStatsReader
     from appliance.collectors.procs import ProcessTable
+    from appliance.engine.replica import ReplicaState
 
     table = ProcessTable(replicas)
     reader = AllocatorStatsReader(stats_dir, max_age_seconds=max_age_seconds)
 
     def read() -> dict[str, MemoryReading]:
+        serving = {r.name for r in replicas() if r.status.state in (ReplicaState.READY, ReplicaState.DRAINING)}
         snapshot = table.snapshot()
         totals = reader.read(snapshot)
         result = {}
         for name, procs in snapshot.items():
             ratios = [t.free_held_bytes / t.held_bytes for t in totals.get(name, {}).values() if t.held_bytes > 0]
-            result[name] = MemoryReading(procs.root_pid, procs.rss_bytes, max(ratios) if ratios else None)
+            result[name] = MemoryReading(procs.root_pid, procs.rss_bytes, max(ratios) if ratios else None,
+                                         serving=name in serving)
         return result
 
     return read

@@ -1,7 +1,9 @@
 """One real appliance (2 vLLM CPU replicas, INT8 demo model) shared by the integration tests.
 
 Test files run in name order; test_serving.py ends with the drain test, which stops the shared appliance, so it
-must stay the last user of the fixture (its name sorts last on purpose).
+must stay the last user of the fixture (its name sorts last on purpose). test_rolling_restart.py comes late too:
+its restarts and long queue waits leave the replicas' adaptive limits and ejections in a state the load
+measurements of test_metrics.py should not start from.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ ADMIN_TOKEN = "integration-admin"
 SHARED_ENV = {
     "APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN,
     # An engine restarts in 45-85 s on an idle machine (over 200 s on a busy one): requests that find no
-    # routable replica during a planned restart (test_maintenance.py) wait in the gateway queue that long
+    # routable replica during a planned restart (test_rolling_restart.py) wait in the gateway queue that long
     # instead of getting a 429. No other test queues for long: their concurrency stays under the limits.
     "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "300",
 }

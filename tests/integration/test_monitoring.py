@@ -26,10 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.monitoring.dashboards import DASHBOARDS
 from appliance.monitoring.promql import metric_names
 from appliance.monitoring.snapshot import SnapshotRequest, snapshot
+from tests.integration.conftest import ADMIN_TOKEN
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.engine
 T = TypeVar("T")
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # Metrics only NVML and the CUDA caching allocator provide.
 GPU_ONLY = re.compile(r"^appliance_(gpu|replica_gpu|engine_gpu)_|^appliance_engine_(allocation_retries|oom)_total$")
 
@@ -123,25 +125,6 @@ def test_a_firing_alert_reaches_alertmanager_and_the_appliance_webhook(stack: St
     eventually(recorded, 45, "the appliance's /admin/alerts received the Watchdog from Alertmanager")
 
 
-def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_path) -> None:
-    """Every query of every panel of every dashboard returns data from the live appliance, except panels whose
-    every metric needs a GPU (NVML, the CUDA allocator): on this CPU host those collectors are absent, by design
-    and tested in tests/collectors. Maintenance panels have data from test_maintenance.py's restarts."""
-    with _load(stack.gateway, clients=3, seconds=8):
-        time.sleep(8)
-    time.sleep(3)  # a few more scrapes, so the last requests are in Prometheus
-    empty: dict[str, list[str]] = {}
-    for uid in DASHBOARDS:
-        document = snapshot(SnapshotRequest(prometheus=stack.prometheus, dashboard=uid, out=tmp_path / uid,
-                                            start="now-15m", end="now", step="2s", scrape_interval=1))
-        for panel in document["panels"]:
-            metrics = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
-            if panel["status"] != "ok" and not (metrics and all(GPU_ONLY.match(m) for m in metrics)):
-                empty.setdefault(uid, []).append(f"{panel['title']} ({panel['status']})")
-        assert (tmp_path / uid / "index.html").is_file()
-    assert not empty, empty
-
-
 def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after_the_restart(
         stack: Stack, appliance) -> None:
     victim = appliance.vllm_server_pid(1)
@@ -156,6 +139,29 @@ def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after
                "the alert resolved in Alertmanager")
 
 
+def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_path) -> None:
+    """Every query of every panel of every dashboard returns data from the live appliance, except panels whose
+    every metric needs a GPU (NVML, the CUDA allocator): on this CPU host those collectors are absent, by design
+    and tested in tests/collectors. The maintenance panels show the restart of the test above and an operator's
+    drain and undrain."""
+    for action in ("drain", "undrain"):
+        response = httpx.post(f"{stack.gateway}/admin/replicas/replica-0/{action}", headers=ADMIN, timeout=10)
+        assert response.status_code == 200, response.text
+    with _load(stack.gateway, clients=3):
+        time.sleep(8)
+    time.sleep(3)  # a few more scrapes, so the last requests are in Prometheus
+    empty: dict[str, list[str]] = {}
+    for uid in DASHBOARDS:
+        document = snapshot(SnapshotRequest(prometheus=stack.prometheus, dashboard=uid, out=tmp_path / uid,
+                                            start="now-15m", end="now", step="2s", scrape_interval=1))
+        for panel in document["panels"]:
+            metrics = set().union(*(metric_names(t["expr"]) for t in panel["targets"]))
+            if panel["status"] != "ok" and not (metrics and all(GPU_ONLY.match(m) for m in metrics)):
+                empty.setdefault(uid, []).append(f"{panel['title']} ({panel['status']})")
+        assert (tmp_path / uid / "index.html").is_file()
+    assert not empty, empty
+
+
 def _active_in_alertmanager(stack: Stack, alertname: str, replica: str) -> bool:
     alerts = httpx.get(f"{stack.alertmanager}/api/v2/alerts", params={"filter": f'alertname="{alertname}"'},
                        timeout=5).json()
@@ -163,7 +169,7 @@ def _active_in_alertmanager(stack: Stack, alertname: str, replica: str) -> bool:
 
 
 @contextlib.contextmanager
-def _load(gateway: str, clients: int, seconds: float) -> Iterator[None]:
+def _load(gateway: str, clients: int) -> Iterator[None]:
     """Steady streamed completions from a few client threads while the block runs."""
     stop = threading.Event()
 

@@ -33,3 +33,16 @@ def test_a_failing_source_is_no_signal():
 
     assert MemoryWatch(broken, fragmentation_threshold=0.5, growth_threshold=0.5,
                        growth_lookback_seconds=10).check(0) == {}
+
+
+def test_growth_is_measured_from_readiness_not_from_the_starting_process():
+    """Seen in CI: an engine's few megabytes while starting made its loaded model read as 103737% growth."""
+    readings = {"replica-0": MemoryReading(1, 2_000_000, None, serving=False)}
+    memory = watch(readings)
+    assert memory.check(0) == {}
+    readings["replica-0"] = MemoryReading(1, 2_000_000_000, None)  # ready: model and KV cache in memory
+    assert memory.check(10) == {}
+    readings["replica-0"] = MemoryReading(1, 2_400_000_000, None)
+    assert memory.check(20) == {}  # +20%: under the threshold
+    readings["replica-0"] = MemoryReading(1, 3_200_000_000, None)
+    assert "grew 60%" in memory.check(30)["replica-0"]
