@@ -61,14 +61,14 @@ class RestartProcedure:
         try:
             replica.drain()
             drain = self.timeouts.drain_seconds if drain_seconds is None else drain_seconds
-            left = await self._wait(lambda: status.outstanding == 0, drain)
+            left = await self.wait_until(lambda: status.outstanding == 0, drain)
             if not left:
                 log.warning("%s: %d request(s) still in flight after the drain timeout; restarting anyway",
                             replica.name, status.outstanding)
             since = time.time()
             await replica.restart()
             deadline = self._clock() + self.timeouts.ready_seconds
-            if not await self._wait(lambda: _ready_since(status, since), deadline - self._clock()):
+            if not await self.wait_until(lambda: _ready_since(status, since), deadline - self._clock()):
                 return Outcome("aborted", f"{replica.name} not ready {self.timeouts.ready_seconds:.0f}s after "
                                "its restart")
             while not await self._warm(replica):
@@ -85,7 +85,8 @@ class RestartProcedure:
                 status.hold_when_ready = False
                 status.planned_restart = False
 
-    async def _wait(self, condition: Callable[[], bool], seconds: float) -> bool:
+    async def wait_until(self, condition: Callable[[], bool], seconds: float) -> bool:
+        """Poll ``condition`` on this procedure's clock; False when ``seconds`` pass first."""
         deadline = self._clock() + seconds
         while not condition():
             if self._clock() >= deadline:
@@ -116,7 +117,7 @@ class RollingRestart:
         restarted: list[str] = []
         for replica in replicas:
             others = [r for r in replicas if r is not replica]
-            enough = await self.procedure._wait(lambda others=others: sum(r.routable for r in others) >= needed,
+            enough = await self.procedure.wait_until(lambda others=others: sum(r.routable for r in others) >= needed,
                                                 self.procedure.timeouts.min_ready_wait_seconds)
             if not enough:
                 return Outcome("skipped", f"fewer than {needed} other replica(s) routable; {replica.name} and the "
