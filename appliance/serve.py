@@ -16,9 +16,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from appliance.app import create_app
 from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
-from appliance.gateway.app import create_app
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,13 @@ class DrainingServer(uvicorn.Server):
 
 
 def in_flight(app: FastAPI) -> int:
-    return sum(r.status.outstanding for r in app.state.replicas())
+    return app.state.router.in_flight()
 
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
-    supervisor = ExternalFleet(settings.engine_urls) if settings.engine_urls else Supervisor.from_settings(settings)
-    app = create_app(settings, supervisor=supervisor)
+    fleet = ExternalFleet(settings.engine_urls) if settings.engine_urls else Supervisor.from_settings(settings)
+    app = create_app(settings, fleet=fleet)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=5, access_log=False,

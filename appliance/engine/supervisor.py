@@ -10,8 +10,9 @@ import aiohttp
 
 from appliance.collectors import engine_stats_env
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
+from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import detect_device, plan_placements
-from appliance.engine.replica import Replica, ReplicaSpec, ReplicaState
+from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Supervisor:
     """Owns the replicas. The gateway asks it which replicas exist and in which state they are."""
 
     def __init__(self, specs: list[ReplicaSpec], *, backoff_initial: float = 1.0, backoff_max: float = 60.0):
-        self.replicas = [Replica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
+        self.replicas = [SupervisedReplica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
@@ -74,5 +75,5 @@ class Supervisor:
             await self._session.close()
             self._session = None
 
-    def ready(self) -> list[Replica]:
+    def ready(self) -> list[SupervisedReplica]:
         return [r for r in self.replicas if r.status.state is ReplicaState.READY]

@@ -8,31 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field
 
 from aiohttp import web
-
-
-@dataclass
-class StubStatus:
-    outstanding: int = 0
-    planned_restart: bool = False
-
-
-@dataclass
-class StubReplica:
-    """Satisfies the router's Routable protocol."""
-
-    name: str
-    url: str
-    routable: bool = True
-    status: StubStatus = field(default_factory=StubStatus)
-
-    def drain(self) -> None:
-        self.routable = False
-
-    def undrain(self) -> None:
-        self.routable = True
 
 
 class StubUpstream:

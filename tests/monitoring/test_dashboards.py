@@ -300,6 +300,7 @@ def test_the_catalogue_matches_what_the_code_registers(tmp_path: Path) -> None:
     from appliance.collectors import register_collectors
     from appliance.collectors.settings import CollectorSettings
     from appliance.gateway.metrics import FleetCollector, RequestMetrics
+    from appliance.gateway.router import Router
     from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 
     class Admission:
@@ -308,7 +309,7 @@ def test_the_catalogue_matches_what_the_code_registers(tmp_path: Path) -> None:
 
     registry = CollectorRegistry()
     RequestMetrics(registry, slo_ttft_seconds=0.8)
-    registry.register(FleetCollector(router=None, admission=Admission(), replicas=list))
+    registry.register(FleetCollector(router=Router(list), admission=Admission()))
     MaintenanceMetrics(registry)
     registry.register(MaintenanceCollector(list, lambda name: False, lambda: 1.8e9))
     register_collectors(registry, replicas=list, router_load=dict,

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.engine.replica import ReplicaState
+from appliance.engine.contract import ReplicaState
 from appliance.monitoring import snapshot as snap
 from appliance.monitoring.dashboards import DASHBOARDS_DIR
 from tests.tools import require_tool
