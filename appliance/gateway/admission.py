@@ -79,12 +79,13 @@ class Admission:
         self.limits = limits
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
-        self._waiters: deque[asyncio.Future] = deque()
+        # Each waiter with the replicas it must not get (a retry leaves the one that just failed it).
+        self._waiters: deque[tuple[asyncio.Future, frozenset[str]]] = deque()
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
 
     @property
     def queue_length(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return sum(1 for w, _ in self._waiters if not w.done())
 
     async def acquire(self, exclude: frozenset[str] = frozenset()) -> Replica:
         replica = self.router.try_acquire(exclude)
@@ -97,7 +98,7 @@ class Admission:
             self.rejected["queue_full"] += 1
             raise self._overloaded("gateway queue is full")
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((waiter, exclude))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
         except asyncio.TimeoutError:
@@ -122,15 +123,20 @@ class Admission:
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Give freed capacity to the oldest waiters."""
-        while self._waiters:
-            if self._waiters[0].done():
-                self._waiters.popleft()
+        """Give freed capacity to the oldest waiters, each within its exclusions: a waiter that may not take
+        what is free keeps its place, and the next one is served."""
+        for entry in list(self._waiters):
+            waiter, exclude = entry
+            if waiter.done():
+                self._waiters.remove(entry)
                 continue
-            replica = self.router.try_acquire()
+            replica = self.router.try_acquire(exclude)
             if replica is None:
-                return
-            self._waiters.popleft().set_result(replica)
+                if not exclude:
+                    return  # nothing free for anyone
+                continue
+            self._waiters.remove(entry)
+            waiter.set_result(replica)
 
     def _overloaded(self, why: str) -> APIError:
         retry_after = max(1, math.ceil(self.queue_timeout_seconds / 2))

@@ -1,8 +1,12 @@
 """Forwarding one request to a replica: bodies pass through as bytes, streams chunk by chunk, no buffering.
 
-Retry rule: a request goes to another replica only when its replica failed before anything was sent to the
-client (connection refused or reset, or a 502/503/504 answer). Once the first byte is out, a failure ends the
-stream with an error event instead.
+Retry rule: a request goes to another replica only when the failed one cannot still be working on it, so that
+no request is ever run twice or charged to two replicas: the connection could not be made (refused, connect
+timeout), the engine closed or reset it without answering (vLLM aborts a request whose connection is gone), or it
+answered 502/503 (it refused the work). Never after a timeout once connected (the engine may still be generating:
+the client gets a 504), never on a 504 answer (a timeout somewhere behind it, same reason), never once the
+response headers arrived, and never back to a replica that already failed this request. Once the first byte is
+out, a failure ends the stream with an error event instead.
 """
 
 from __future__ import annotations
@@ -31,12 +35,30 @@ log = logging.getLogger(__name__)
 # Headers worth carrying to the engine; the client's Authorization is the gateway's business, not vLLM's.
 FORWARDED_HEADERS = ("content-type", "x-request-id")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-RETRYABLE_STATUS = frozenset({502, 503, 504})
+RETRYABLE_STATUS = frozenset({502, 503})
 UPSTREAM_KEEPALIVE_SECONDS = 4.0
 
 
 class RetryableUpstreamError(Exception):
-    """The replica failed before the client saw a byte; another replica may take the request."""
+    """The replica failed before it could have done any work; another replica may take the request."""
+
+
+def never_reached_engine(exc: BaseException) -> bool:
+    """Whether an upstream failure left no work behind on the engine, so that a retry duplicates nothing."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the connection was never made
+        return True
+    if isinstance(exc, asyncio.TimeoutError):  # connected and sent: the engine may still be generating
+        return False
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                            ConnectionError))
+
+
+def upstream_failure(exc: BaseException) -> APIError:
+    """The client's answer to a failure that is not retried."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return APIError(504, f"the replica did not answer in time ({type(exc).__name__}); not retried, since it "
+                             "may still be working on the request", code="upstream_timeout")
+    return APIError(502, f"upstream failed: {type(exc).__name__}", code="upstream_error")
 
 
 @dataclass
@@ -134,7 +156,9 @@ class Upstream:
         except UPSTREAM_ERRORS as exc:
             span.end()
             self.admission.release(replica, Outcome.FAILURE)
-            raise RetryableUpstreamError(type(exc).__name__) from exc
+            if never_reached_engine(exc):
+                raise RetryableUpstreamError(type(exc).__name__) from exc
+            raise upstream_failure(exc) from exc
         except BaseException:
             span.end()
             self.admission.release(replica, Outcome.ABORTED)
@@ -161,9 +185,9 @@ class Upstream:
             outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
             if upstream.status >= 500:
                 outcome = Outcome.FAILURE
-        except UPSTREAM_ERRORS as exc:  # died mid-body: the client has seen nothing yet
+        except UPSTREAM_ERRORS as exc:  # failed mid-body: the engine did the work, so it is not sent again
             outcome = Outcome.FAILURE
-            raise RetryableUpstreamError(type(exc).__name__) from exc
+            raise upstream_failure(exc) from exc
         finally:
             upstream.release()
             span.end()

@@ -106,3 +106,22 @@ def test_requests_wait_for_a_replica_in_planned_restart():
         assert await waiter is replica
 
     asyncio.run(scenario())
+
+
+def test_queued_retry_never_gets_the_replica_it_is_leaving():
+    """A retry excludes the replica that just failed, in the queue too: freed capacity there goes to others."""
+    async def scenario():
+        replicas = [FakeReplica("replica-0", "http://r0"), FakeReplica("replica-1", "http://r1")]
+        limits = ConcurrencyLimits(lambda: AIMDLimit(1, 1, 1, target_seconds=1.0))
+        admission = Admission(Router(lambda: replicas, limit_for=limits.limit_of), limits, max_queue=4,
+                              queue_timeout_seconds=2)
+        first, second = await admission.acquire(), await admission.acquire()
+        retry = asyncio.create_task(admission.acquire(frozenset({"replica-0"})))
+        await asyncio.sleep(0.01)
+        admission.release(first, Outcome.FAILURE)  # replica-0 frees up: not for the retry that left it
+        await asyncio.sleep(0.01)
+        assert not retry.done()
+        admission.release(second, Outcome.SUCCESS, 0.1)
+        assert (await retry).name == "replica-1"
+
+    asyncio.run(scenario())

@@ -80,3 +80,17 @@ def test_least_outstanding_replica_wins(client, replicas):
 def test_models_lists_the_served_model(client):
     body = client.get("/v1/models").json()
     assert [m["id"] for m in body["data"]] == ["demo"]
+
+
+def test_timed_out_request_is_not_sent_to_another_replica(make_client, stubs):
+    """A timeout after the request reached an engine means that engine may still be working on it: sending it
+    again would double the work and charge two replicas for one slow answer."""
+    client = make_client(request_timeout_seconds=0.5)
+    for stub in stubs:
+        stub.delay = 3.0
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    assert sum(len(stub.received) for stub in stubs) == 1
+    router = client.app.state.router
+    assert sorted(router.health_of(f"replica-{i}").consecutive_failures for i in range(2)) == [0, 1]
