@@ -15,13 +15,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
+from starlette.types import Receive
 
 from appliance.engine.contract import Replica
 from appliance.gateway.admission import Admission
@@ -37,6 +39,7 @@ FORWARDED_HEADERS = ("content-type", "x-request-id")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 RETRYABLE_STATUS = frozenset({502, 503})
 UPSTREAM_KEEPALIVE_SECONDS = 4.0
+T = TypeVar("T")
 
 
 class RetryableUpstreamError(Exception):
@@ -109,7 +112,10 @@ class Upstream:
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
                             request=request)
         try:
-            response = await self._forward_with_retry(exchange)
+            response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
+        except ClientGone:
+            self._finish(exchange, 499)
+            return Response(status_code=499)  # nobody reads it; the status is for the gateway's own logs
         except APIError as exc:
             self._finish(exchange, exc.status)
             raise
@@ -181,7 +187,7 @@ class Upstream:
                           span: trace.Span) -> Response:
         outcome = Outcome.ABORTED
         try:
-            content = await _read_unless_disconnected(upstream, exchange.request)
+            content = await upstream.read()
             outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
             if upstream.status >= 500:
                 outcome = Outcome.FAILURE
@@ -189,7 +195,10 @@ class Upstream:
             outcome = Outcome.FAILURE
             raise upstream_failure(exc) from exc
         finally:
-            upstream.release()
+            if outcome is Outcome.ABORTED:
+                upstream.close()  # cancelled because the client left: closing the connection aborts the engine
+            else:
+                upstream.release()
             span.end()
             self.admission.release(replica, outcome)
         if outcome is Outcome.SUCCESS:
@@ -261,21 +270,32 @@ class Upstream:
         exchange.trace.finish(status)
 
 
-async def _read_unless_disconnected(upstream: aiohttp.ClientResponse, request: Request) -> bytes:
-    """The whole upstream body, unless the client leaves first: then cancel, so that closing the upstream
-    connection makes vLLM abort the generation instead of finishing it for nobody."""
-    reading = asyncio.ensure_future(upstream.read())
-    # The body is already consumed, so the next ASGI message can only be the client's disconnect.
-    watching = asyncio.ensure_future(request.receive())
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def unless_client_leaves(work: Awaitable[T], receive: Receive) -> T:
+    """Run ``work`` (queue wait, upstream request, non-streaming body) while watching the client; if it hangs up
+    first, cancel the work and raise ClientGone. Cancelling closes the upstream connection, which makes vLLM abort
+    the request, and takes a queued request out of the queue, so work nobody will read is neither done nor
+    dispatched. Once a stream starts, Starlette's response notices the disconnect instead.
+
+    The request body is already read, so the only ASGI message that can arrive now is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(receive())
     try:
-        await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled
+        task.cancel()
+        raise
     finally:
-        watching.cancel()
-    if not reading.done():
-        reading.cancel()
-        upstream.close()
-        raise asyncio.CancelledError("client disconnected")
-    return reading.result()
+        if not watcher.done():
+            watcher.cancel()
+    if task.done():  # finished first, or at the same moment as the disconnect: the response handles the rest
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
 
 
 def _usage(content: bytes) -> dict | None:

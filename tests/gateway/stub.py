@@ -24,7 +24,8 @@ class StubUpstream:
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self.port = 0
-        self.aborted = 0
+        self.aborted = 0  # requests whose client (the gateway) hung up before the answer was complete
+        self.answered = 0  # non-streaming requests answered in full
 
     def start(self) -> StubUpstream:
         ready = threading.Event()
@@ -62,6 +63,16 @@ class StubUpstream:
         ready.set()
         self._loop.run_forever()
 
+    async def _wait_unless_abandoned(self, request: web.Request) -> bool:
+        """Sleep ``delay`` like an engine generating; False as soon as the client's connection is gone (vLLM
+        aborts such a request)."""
+        deadline = self._loop.time() + self.delay
+        while self._loop.time() < deadline:
+            if request.transport is None or request.transport.is_closing():
+                return False
+            await asyncio.sleep(min(0.02, max(0.0, deadline - self._loop.time())))
+        return not (request.transport is None or request.transport.is_closing())
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         body = json.loads(raw)
@@ -69,9 +80,13 @@ class StubUpstream:
         self.headers.append(dict(request.headers))
         if self.fail_status:
             return web.json_response({"error": {"message": "stub failure"}}, status=self.fail_status)
-        await asyncio.sleep(self.delay)
         if not body.get("stream"):
+            if not await self._wait_unless_abandoned(request):
+                self.aborted += 1
+                return web.Response(status=499)
+            self.answered += 1
             return web.json_response({"object": "text_completion", "choices": [{"text": "hello"}]})
+        await asyncio.sleep(self.delay)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         try:
