@@ -75,6 +75,14 @@ class RoutingSettings(BaseModel):
     )
     eject_base_seconds: float = Field(5.0, gt=0, description="First ejection period; doubles per re-ejection.")
     eject_max_seconds: float = Field(120.0, gt=0, description="Cap of the ejection period.")
+    eject_decay_seconds: float = Field(
+        300.0, gt=0, description="Each full period a replica stays in rotation after an ejection halves the "
+        "doubling of its next ejection period (back to eject_base_seconds after a long good spell)."
+    )
+    eject_panic_threshold: float = Field(
+        0.5, ge=0, le=1, description="Panic threshold (as Envoy's): when fewer than this fraction of the routable "
+        "replicas would remain un-ejected, or none would, ejection is ignored and all of them take traffic."
+    )
     latency_outlier_factor: float = Field(
         3.0, gt=1, description="Eject a replica whose TTFT average exceeds this multiple of its peers' median."
     )

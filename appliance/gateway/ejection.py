@@ -2,7 +2,13 @@
 
 A replica with ``eject_consecutive_failures`` failures in a row, or whose average TTFT is an outlier against its
 peers, is ejected for a doubling backoff period; when the period ends it is probed (its /metrics must answer)
-before it returns. The gateway's own view, kept apart from the replica: a replica does not know it is ejected.
+before it returns. Each ``eject_decay_seconds`` back in rotation halves the doubling, so a replica that behaves
+again is not punished for old incidents. The gateway's own view, kept apart from the replica: a replica does not
+know it is ejected.
+
+Panic threshold (Envoy's healthy_panic_threshold): ejection must never cost more capacity than the sickness it
+guards against. When fewer than ``eject_panic_threshold`` of the routable replicas would remain, and always when
+none would, ejection is ignored and every routable replica takes traffic (``effective_ejected``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class ReplicaHealth:
     consecutive_failures: int = 0
-    ejections: int = 0
+    ejections: int = 0  # ever, for the metric: never decreases
+    strikes: int = 0  # what the next period doubles from; decays while the replica behaves
+    in_rotation_since: float | None = None  # monotonic: when it last returned from an ejection
     ejected_until: float | None = None  # monotonic; None = in rotation
     reason: str = ""
     ttft_ewma: float | None = None
@@ -46,6 +54,23 @@ class Ejector:
         health = self.health.get(name)
         return health is not None and health.ejected
 
+    def effective_ejected(self, names: Iterable[str]) -> set[str]:
+        """Which of these routable replicas routing should skip: the ejected ones, unless that would leave
+        fewer healthy than the panic threshold (or none): then none, and routing spreads over all of them."""
+        names = list(names)
+        ejected = {n for n in names if self.is_ejected(n)}
+        return set() if ejected and self._panics(len(names), len(ejected)) else ejected
+
+    def panic(self, names: Iterable[str]) -> bool:
+        """Whether ejection is being ignored for these routable replicas."""
+        names = list(names)
+        ejected = sum(1 for n in names if self.is_ejected(n))
+        return bool(ejected) and self._panics(len(names), ejected)
+
+    def _panics(self, total: int, ejected: int) -> bool:
+        healthy = total - ejected
+        return healthy == 0 or healthy / total < self.routing.eject_panic_threshold
+
     def failure(self, name: str) -> None:
         health = self.health_of(name)
         health.consecutive_failures += 1
@@ -62,7 +87,9 @@ class Ejector:
         health = self.health_of(name)
         if health.ejected:
             return
-        period = min(self.routing.eject_max_seconds, self.routing.eject_base_seconds * 2 ** health.ejections)
+        self._decay(health)
+        period = min(self.routing.eject_max_seconds, self.routing.eject_base_seconds * 2 ** min(health.strikes, 32))
+        health.strikes += 1
         health.ejections += 1
         health.ejected_until = self._clock() + period
         health.reason = reason
@@ -82,9 +109,18 @@ class Ejector:
             health.ejected_until = None
             health.consecutive_failures = 0
             health.ttft_ewma = None  # judge it afresh
+            health.in_rotation_since = self._clock()
         else:
             health.ejected_until = None
             self.eject(name, f"probe failed after: {health.reason}")
+
+    def _decay(self, health: ReplicaHealth) -> None:
+        """Halve the strikes once per full healthy period the replica spent in rotation since its last return."""
+        if health.in_rotation_since is None:
+            return
+        periods = int((self._clock() - health.in_rotation_since) // self.routing.eject_decay_seconds)
+        health.strikes >>= min(periods, 32)
+        health.in_rotation_since = None
 
     def _record_ttft(self, name: str, health: ReplicaHealth, ttft: float, peers: Iterable[str]) -> None:
         a = self.TTFT_EWMA_ALPHA

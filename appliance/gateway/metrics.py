@@ -108,6 +108,9 @@ class FleetCollector(Collector):
             ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
             ejections.add_metric([replica.name], health.ejections)
         yield from (state, outstanding, limit, ejected, ejections)
+        yield GaugeMetricFamily("appliance_routing_panic",
+                                "1 while too many replicas are ejected and routing ignores ejection "
+                                "(routing.eject_panic_threshold).", value=1.0 if self._router.panic() else 0.0)
         yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
                                 value=self._router.in_flight())
         yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",

@@ -64,8 +64,13 @@ class Router:
         return self.load
 
     def eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Replica]:
-        return [r for r in self._replicas()
-                if r.routable and r.name not in exclude and not self.ejector.is_ejected(r.name)]
+        routable = [r for r in self._replicas() if r.routable]
+        ejected = self.ejector.effective_ejected(r.name for r in routable)  # never all of them: panic threshold
+        return [r for r in routable if r.name not in exclude and r.name not in ejected]
+
+    def panic(self) -> bool:
+        """Ejection is being ignored: too few routable replicas would be left without the ejected ones."""
+        return self.ejector.panic(r.name for r in self._replicas() if r.routable)
 
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return bool(self.eligible(exclude))

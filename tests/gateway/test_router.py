@@ -83,3 +83,52 @@ def test_latency_outlier_is_ejected_but_never_the_last_replica():
         router.outstanding[r0.name] = router.in_flight(r0.name) + 1
         router.release(r0, Outcome.SUCCESS, 5.0)
     assert not router.health_of("replica-0").ejected
+
+
+def fail_until_ejected(router, replica, clock=None) -> None:
+    while not router.health_of(replica.name).ejected:
+        router.outstanding[replica.name] = router.in_flight(replica.name) + 1
+        router.release(replica, Outcome.FAILURE)
+
+
+def test_ejection_never_leaves_zero_routable_replicas():
+    router, (r0, r1), _ = make(eject_consecutive_failures=1)
+    fail_until_ejected(router, r0)
+    assert router.try_acquire() is r1  # one of two ejected: 50% healthy, at the panic threshold, not below
+    fail_until_ejected(router, r1)
+    assert router.health_of("replica-0").ejected and router.health_of("replica-1").ejected
+    assert router.try_acquire() is not None  # panic: ejection is ignored rather than route nowhere
+    assert router.panic()
+
+
+def test_panic_threshold_is_configurable():
+    router, replicas, _ = make(n=4, eject_consecutive_failures=1, eject_panic_threshold=0.5)
+    for replica in replicas[:2]:
+        fail_until_ejected(router, replica)
+    assert [r.name for r in router.eligible()] == ["replica-2", "replica-3"]  # 2 of 4 healthy: at the threshold
+    fail_until_ejected(router, replicas[2])
+    assert len(router.eligible()) == 4  # 1 of 4 healthy is below 50%: spread over all, as Envoy does
+    strict, replicas, _ = make(n=4, eject_consecutive_failures=1, eject_panic_threshold=0)
+    for replica in replicas[:3]:
+        fail_until_ejected(strict, replica)
+    assert [r.name for r in strict.eligible()] == ["replica-3"]  # threshold 0: only zero healthy panics
+
+
+def test_ejection_backoff_decays_after_a_healthy_period():
+    router, (r0, _), clock = make(eject_consecutive_failures=1, eject_base_seconds=5, eject_max_seconds=1000,
+                                  eject_decay_seconds=60)
+
+    def eject_and_return() -> float:
+        start = clock.now
+        fail_until_ejected(router, r0)
+        period = router.health_of("replica-0").ejected_until - start
+        clock.now = router.health_of("replica-0").ejected_until
+        router.probe_result("replica-0", ok=True)
+        return period
+
+    assert [eject_and_return() for _ in range(3)] == [5, 10, 20]  # repeated incidents back off
+    clock.now += 60  # one healthy period halves the doubling: 10 s, where 40 s would have come next
+    assert eject_and_return() == 10
+    clock.now += 600  # a long good spell: back to the first period
+    assert eject_and_return() == 5
+    assert router.health_of("replica-0").ejections == 5  # the counter of ejections itself never decreases

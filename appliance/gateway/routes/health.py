@@ -15,9 +15,15 @@ async def live() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
+    """Ready when the router has a replica to send a request to (routable, and not ejected unless panic routing
+    ignores ejection) and the gateway is not draining: the capacity requests can actually use."""
     state = request.app.state
+    router = state.router
     ready_count = sum(1 for r in state.replicas() if r.routable)
-    is_ready = ready_count > 0 and not state.draining
+    routable = len(router.eligible())
+    is_ready = routable > 0 and not state.draining
     body = {"status": "ready" if is_ready else "not_ready", "ready_replicas": ready_count,
-            "draining": state.draining}
+            "routable_replicas": routable,
+            "ejected_replicas": sum(1 for r in state.replicas() if router.health_of(r.name).ejected),
+            "panic": router.panic(), "draining": state.draining}
     return JSONResponse(body, status_code=200 if is_ready else 503)
