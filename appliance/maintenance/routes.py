@@ -6,12 +6,11 @@ annotated the same way whoever asks; refusals are ``MaintenanceError``s, mapped 
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from appliance.http import json_body
 from appliance.http.auth import require_admin
 from appliance.http.errors import APIError
 from appliance.maintenance.webhook import AlertmanagerPayload
@@ -53,8 +52,8 @@ async def alerts(request: Request) -> dict:
     """Alertmanager's webhook (payload version 4): whitelisted alerts trigger their runbook's action."""
     raw = await request.body()
     try:
-        payload = AlertmanagerPayload.model_validate(json.loads(raw))
-    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError and ValidationError are ValueErrors
+        payload = AlertmanagerPayload.model_validate(json_body.loads(raw))
+    except ValueError as exc:  # json_body.InvalidJSON and ValidationError are ValueErrors
         raise APIError(400, f"not an Alertmanager webhook payload: {_first_error(exc)}",
                        code="invalid_alert_payload") from None
     decisions = request.app.state.maintenance.alerts.handle(payload)

@@ -129,3 +129,12 @@ def test_webhook_needs_the_admin_token(make_app):
     assert disabled.post("/admin/alerts", json=body, headers=AUTH).status_code == 403
     time.sleep(0.1)
     assert [r.status.restarts for r in replicas] == [0, 0]
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(make_app):
+    client, _replicas, _registry = make_app()
+    for body in (b"[" * 100_000 + b"]" * 100_000, b'{"alerts": ' + b'{"a": ' * 20_000 + b"1" + b"}" * 20_001):
+        response = client.post("/admin/alerts", content=body, headers=AUTH | {"content-type": "application/json"})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "invalid_alert_payload" and "nested too deeply" in error["message"]
