@@ -7,13 +7,23 @@ from __future__ import annotations
 import json
 import time
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.http.errors import ErrorHook, error_body
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised from the body stream as an HTTPException on purpose: FastAPI re-raises those from its body parsing
+    (any other exception there becomes its 400 "error parsing the body"), so the app's error handlers answer
+    413, and count it, like every other error."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, too_large_message(max_bytes))
+
+
+def too_large_message(max_bytes: int) -> str:
+    return f"request body exceeds {max_bytes} bytes (max_request_bytes)"
 
 
 class RequestIntake:
@@ -39,21 +49,20 @@ class RequestIntake:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(self.max_bytes)
             return message
 
         try:
             # `send` is passed through unwrapped: it runs once per streamed chunk. The gateway's routes read the
             # whole body before answering, so an oversized body is always caught before the response starts.
             await self.app(scope, counting_receive, send)
-        except BodyTooLarge:
+        except BodyTooLarge:  # read outside FastAPI's handlers: answer here
             await self._reject(scope, send)
 
     async def _reject(self, scope: Scope, send: Send) -> None:
         if self.on_reject is not None:
             self.on_reject(scope["path"], scope, 413)
-        body = json.dumps(error_body(413, f"request body exceeds {self.max_bytes} bytes "
-                                          "(max_request_bytes)")).encode()
+        body = json.dumps(error_body(413, too_large_message(self.max_bytes))).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -69,3 +69,19 @@ def test_draining_gateway_answers_503(client):
     assert_error(response, 503)
     assert response.headers["retry-after"]
     assert client.get("/health/ready").status_code == 503
+
+
+def test_chunked_body_over_the_limit_is_a_413(make_client, stubs):
+    """Without Content-Length the size is counted as the body arrives; the answer is still 413, not FastAPI's
+    400 'error parsing the body'."""
+    client = make_client(max_request_bytes=2048)
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(8):
+            yield b"x" * 1024
+        yield b'"}'
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert_error(client.post(path, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert not any(stub.received for stub in stubs)
