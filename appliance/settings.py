@@ -155,6 +155,11 @@ class Settings(BaseSettings):
     )
     state_dir: Path = Field(Path("var"), description="Engine logs and run state live here.")
     request_timeout_seconds: float = Field(600, gt=0, description="Upper bound for one upstream request.")
+    upstream_idle_timeout_seconds: float = Field(
+        60, gt=0, description="Streams: longest silence from the engine (before the headers or between chunks) before "
+        "the stream is cut with an error event and its slot freed; non-streaming answers are bounded by "
+        "request_timeout_seconds only."
+    )
     max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
     restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
     restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")

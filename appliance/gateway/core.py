@@ -59,6 +59,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     tracer_provider = build_tracer_provider(settings, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.request_timeout_seconds,
+                        idle_timeout_seconds=settings.upstream_idle_timeout_seconds,
                         tracing=_records_traces(settings, span_exporter))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.dispatch)

@@ -84,13 +84,18 @@ class Upstream:
     """One pooled HTTP client for all replicas, plus admission, retries, metrics and spans around it."""
 
     def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
-                 timeout_seconds: float, tracing: bool, max_attempts: int = 2) -> None:
+                 timeout_seconds: float, tracing: bool, max_attempts: int = 2,
+                 idle_timeout_seconds: float | None = None) -> None:
         self.admission = admission
         self.metrics = metrics
         self.tracer = tracer
         self.tracing = tracing
         self.max_attempts = max_attempts
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5)
+        # Streams also get an idle-read timeout: a silent engine must not hold a slot for the whole request
+        # timeout. Not for non-streaming requests: their answer comes in one piece at the end of the generation.
+        self._stream_timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5,
+                                                     sock_read=idle_timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -158,7 +163,7 @@ class Upstream:
         headers = exchange.trace.propagate(span, dict(exchange.headers))
         try:
             upstream = await self._session.post(replica.url + exchange.path, data=exchange.body, headers=headers,
-                                                timeout=self._timeout)
+                                                timeout=self._stream_timeout if exchange.stream else self._timeout)
         except UPSTREAM_ERRORS as exc:
             span.end()
             self.admission.release(replica, Outcome.FAILURE)
@@ -231,10 +236,11 @@ class Upstream:
                 yield chunk
             outcome, status = Outcome.SUCCESS, 200
         except UPSTREAM_ERRORS as exc:
-            outcome, status = Outcome.FAILURE, 502
-            log.warning("%s failed mid-stream: %s", replica.name, exc)
-            message = f"upstream replica failed mid-stream: {type(exc).__name__}"
-            yield f"data: {json.dumps(error_body(502, message, code='upstream_error'))}\n\n".encode()
+            error = upstream_failure(exc)
+            outcome, status = Outcome.FAILURE, error.status
+            log.warning("%s failed mid-stream: %s", replica.name, type(exc).__name__)
+            message = f"upstream replica failed mid-stream: {error.message}"
+            yield f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
         finally:
             if outcome is Outcome.SUCCESS:
                 upstream.release()

@@ -21,6 +21,7 @@ class StubUpstream:
         self.delay = 0.0
         self.fail_status: int | None = None
         self.chunks = 3
+        self.stall = 0.0  # streams: silence after the first chunk, like a hung engine
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -92,7 +93,7 @@ class StubUpstream:
         try:
             for i in range(self.chunks):
                 await response.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(self.stall if i == 0 and self.stall else self.delay)
             await response.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self.aborted += 1

@@ -94,3 +94,16 @@ def test_timed_out_request_is_not_sent_to_another_replica(make_client, stubs):
     assert sum(len(stub.received) for stub in stubs) == 1
     router = client.app.state.router
     assert sorted(router.health_of(f"replica-{i}").consecutive_failures for i in range(2)) == [0, 1]
+
+
+def test_stalled_stream_is_cut_after_the_idle_timeout_with_an_error_event(make_client, stubs):
+    """A stream whose engine goes silent frees its slot after upstream_idle_timeout_seconds, not after the whole
+    request_timeout_seconds, and the client learns why from an error event."""
+    client = make_client(upstream_idle_timeout_seconds=0.5)
+    for stub in stubs:
+        stub.stall = 8.0
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 2 and json.loads(events[0][6:])["choices"][0]["text"] == "0"
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_timeout"
+    assert client.app.state.router.in_flight() == 0
