@@ -1,8 +1,9 @@
 """``appliance serve``: the gateway and its engines in one process, with a drain on SIGTERM.
 
 Shutdown order matters to clients: first turn not-ready and refuse new requests with 503 (load balancers move
-away), then let in-flight requests and streams finish up to ``drain_timeout_seconds``, then stop the engines,
-then exit 0. A second signal skips the wait.
+away), then let in-flight requests, streams and requests queued in the gateway finish up to
+``drain_timeout_seconds``, then end the streams still running with an error event (not a silent cut), then stop
+the engines, then exit 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -56,14 +57,18 @@ class DrainingServer(uvicorn.Server):
         while (pending := in_flight(self._app)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if pending:
-            log.warning("drain timeout: %d requests still in flight; stopping anyway", pending)
+            log.warning("drain timeout: %d requests still in flight or queued; stopping anyway", pending)
+            cut = await self._app.state.upstream.cut_streams()
+            if cut:
+                log.warning("drain timeout: cut %d stream(s) with a shutting_down error event", cut)
         else:
             log.info("drained: no request in flight")
         self.should_exit = True
 
 
 def in_flight(app: FastAPI) -> int:
-    return app.state.router.in_flight()
+    """Requests the drain waits for: at the replicas, and queued in the gateway (they are owed an answer too)."""
+    return app.state.router.in_flight() + app.state.admission.queue_length
 
 
 def serve(settings: Settings) -> int:

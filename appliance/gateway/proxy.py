@@ -97,6 +97,8 @@ class Upstream:
         self._stream_timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5,
                                                      sock_read=idle_timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
+        self._streams: set[aiohttp.ClientResponse] = set()  # streams being relayed
+        self._cut: set[aiohttp.ClientResponse] = set()  # ...that the gateway cut on purpose (shutdown)
 
     async def open(self) -> None:
         # Idle upstream connections are dropped before vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
@@ -109,6 +111,19 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def cut_streams(self, grace_seconds: float = 2.0) -> int:
+        """End every stream still being relayed with an error event saying the gateway is shutting down (the
+        drain's last step, instead of a silent cut when the server stops); wait up to ``grace_seconds`` for the
+        events to go out. Returns how many streams were cut."""
+        streams = list(self._streams)
+        for upstream in streams:
+            self._cut.add(upstream)
+            upstream.close()  # the relay's read ends; it sees the cut and writes the error event
+        deadline = time.monotonic() + grace_seconds
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return len(streams)
 
     async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
                       arrived: float) -> Response:
@@ -221,6 +236,7 @@ class Upstream:
         chunks = 0
         tail = b""
         stream_span = exchange.trace.child("gateway.stream")
+        self._streams.add(upstream)
         try:
             async for chunk in upstream.content.iter_any():
                 now = time.monotonic()
@@ -234,14 +250,23 @@ class Upstream:
                 chunks += chunk.count(b"data: ")
                 tail = chunk[-2048:]
                 yield chunk
+            if upstream in self._cut:
+                raise aiohttp.ClientConnectionError("cut by the gateway")
             outcome, status = Outcome.SUCCESS, 200
         except UPSTREAM_ERRORS as exc:
+            if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
+                outcome, status = Outcome.ABORTED, 503
+                message = "the gateway is shutting down; the stream was cut at the drain timeout"
+                yield f"data: {json.dumps(error_body(503, message, code='shutting_down'))}\n\n".encode()
+                return
             error = upstream_failure(exc)
             outcome, status = Outcome.FAILURE, error.status
             log.warning("%s failed mid-stream: %s", replica.name, type(exc).__name__)
             message = f"upstream replica failed mid-stream: {error.message}"
             yield f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
         finally:
+            self._streams.discard(upstream)
+            self._cut.discard(upstream)
             if outcome is Outcome.SUCCESS:
                 upstream.release()
             else:

@@ -6,16 +6,19 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 
 class LiveGateway:
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, server: Callable[[uvicorn.Config], uvicorn.Server] = uvicorn.Server,
+                 **config: Any) -> None:
         self.app = app
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on",
-                                                     log_level="warning", access_log=False))
+        self._server = server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning",
+                                             access_log=False, **config))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self.port = 0
 
@@ -28,6 +31,14 @@ class LiveGateway:
             time.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
+
+    @property
+    def server(self) -> uvicorn.Server:
+        return self._server
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def __exit__(self, *exc_info: object) -> None:
         self._server.should_exit = True
