@@ -24,6 +24,7 @@ from appliance.collectors import register_collectors
 from appliance.engine.contract import Fleet, Replica
 from appliance.gateway.core import Gateway, build_gateway
 from appliance.gateway.limits import RequestIntake
+from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
@@ -73,7 +74,8 @@ def create_app(
             await gateway.upstream.close()
             gateway.tracer_provider.shutdown()
 
-    app = FastAPI(title="appliance gateway", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="appliance gateway", version=_version(), lifespan=lifespan,
+                  **api_docs_urls(settings.api_keys))
     app.state.settings = settings
     app.state.fleet = fleet
     app.state.replicas = replicas

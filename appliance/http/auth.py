@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from fastapi import Request
 
@@ -38,3 +39,25 @@ async def require_admin(request: Request) -> None:
     if token is None or not _matches(token, [admin_token]):
         raise APIError(401, "invalid or missing admin token", code="invalid_admin_token",
                        headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_api_key_or_admin(request: Request) -> None:
+    """For what only the deployment's own tools need when clients must authenticate (/sd/targets lists the
+    engines' addresses): open when no API keys are set, like /v1; otherwise an API key or the admin token, which
+    is what Prometheus sends (http_sd_configs.authorization)."""
+    settings = request.app.state.settings
+    if not settings.api_keys:
+        return
+    token = _bearer(request)
+    accepted = [*settings.api_keys, *([settings.admin_token] if settings.admin_token else [])]
+    if token is None or not _matches(token, accepted):
+        raise APIError(401, "invalid or missing API key or admin token (Authorization: Bearer <token>)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def api_docs_urls(api_keys: list[str]) -> dict[str, Any]:
+    """FastAPI's /docs, /redoc and /openapi.json: served only when the API is open anyway (no API keys); with keys
+    set they would describe the admin API to anyone, so they are off."""
+    if api_keys:
+        return {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    return {}

@@ -85,3 +85,18 @@ def test_chunked_body_over_the_limit_is_a_413(make_client, stubs):
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert_error(client.post(path, content=chunks(), headers={"content-type": "application/json"}), 413)
     assert not any(stub.received for stub in stubs)
+
+
+def test_engine_addresses_and_api_docs_are_closed_when_api_keys_are_set(make_client):
+    client = make_client(api_keys=["k1"], admin_token="admin")
+    assert_error(client.get("/sd/targets"), 401)
+    assert_error(client.get("/sd/targets", headers={"authorization": "Bearer wrong"}), 401)
+    for token in ("admin", "k1"):  # Prometheus sends the admin token (http_sd_configs.authorization)
+        assert client.get("/sd/targets", headers={"authorization": f"Bearer {token}"}).status_code == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert client.get(path).status_code == 404
+
+
+def test_engine_addresses_and_api_docs_stay_open_without_api_keys(client):
+    assert client.get("/sd/targets").status_code == 200
+    assert client.get("/openapi.json").status_code == 200

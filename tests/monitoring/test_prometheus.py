@@ -37,3 +37,12 @@ def test_promtool_accepts_the_rendered_config_and_its_rules(tmp_path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
     assert yaml.safe_load(bundle.prometheus_config.read_text())["scrape_configs"][0]["job_name"] == "appliance"
+
+
+def test_engine_discovery_sends_a_bearer_token_when_given() -> None:
+    config = prometheus_config(gateway="appliance:8000", alertmanager=None, scrape_interval_seconds=15,
+                               sd_bearer_token="admin")
+    sd = {job["job_name"]: job for job in config["scrape_configs"]}["vllm"]["http_sd_configs"][0]
+    assert sd["authorization"] == {"type": "Bearer", "credentials": "admin"}
+    plain = prometheus_config(gateway="appliance:8000", alertmanager=None, scrape_interval_seconds=15)
+    assert "authorization" not in plain["scrape_configs"][1]["http_sd_configs"][0]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from appliance.http.auth import require_api_key_or_admin
 
 router = APIRouter(tags=["observability"])
 
@@ -16,9 +18,10 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/sd/targets")
+@router.get("/sd/targets", dependencies=[Depends(require_api_key_or_admin)])
 async def sd_targets(request: Request) -> list[dict]:
-    """Prometheus HTTP SD: one target group per replica, so Prometheus scrapes vLLM's own metrics directly."""
+    """Prometheus HTTP SD: one target group per replica, so Prometheus scrapes vLLM's own metrics directly.
+    The engines' addresses are closed like /v1 when API keys are set (admin token or an API key)."""
     settings = request.app.state.settings
     groups = []
     for replica in request.app.state.replicas():
