@@ -7,6 +7,8 @@ message naming the key, never later at request time.
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -57,12 +59,18 @@ class EngineSettings(BaseModel):
     start_timeout_seconds: float = Field(
         300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
     )
-    extra_args: list[str] = Field(default_factory=list, description="More vLLM flags, passed verbatim.")
+    extra_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
+        "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."
+    )
 
     @field_validator("extra_args", mode="before")
     @classmethod
     def _split_args(cls, value: Any) -> Any:
-        return value.split() if isinstance(value, str) else value
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else shlex.split(text)
+        return value
 
 
 class RoutingSettings(BaseModel):
