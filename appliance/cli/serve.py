@@ -115,12 +115,10 @@ def ensure_admin_token(state_dir: Path) -> str:
     path = state_dir / TOKEN_FILE
     if path.is_file() and (token := path.read_text().strip()):
         return token
-    state_dir.mkdir(parents=True, exist_ok=True)
+    from appliance.files import atomic_write_text
+
     token = secrets.token_hex(16)
-    tmp = path.with_name(f".{TOKEN_FILE}.tmp")
-    tmp.touch(mode=0o600)
-    tmp.write_text(token + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, token + "\n")  # owner-only from its first byte: no stale 0644 temporary to reuse
     return token
 
 
