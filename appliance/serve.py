@@ -17,6 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from appliance.app import create_app
+from appliance.collectors import engine_stats_env
+from appliance.engine.contract import Fleet
 from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
 from appliance.settings import Settings
@@ -66,10 +68,22 @@ def in_flight(app: FastAPI) -> int:
     return app.state.router.in_flight()
 
 
+def engine_extra_env(settings: Settings) -> dict[str, str]:
+    """What every supervised engine's environment carries for the other parts: the collectors' engine plugin
+    learns where to write its allocator statistics."""
+    return engine_stats_env(settings.collectors, settings.state_dir)
+
+
+def build_fleet(settings: Settings) -> Fleet:
+    """The engines this appliance routes to: the ones it runs, or the ones at ``engine_urls``."""
+    if settings.engine_urls:
+        return ExternalFleet(settings.engine_urls)
+    return Supervisor.from_settings(settings, engine_extra_env(settings))
+
+
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
-    fleet = ExternalFleet(settings.engine_urls) if settings.engine_urls else Supervisor.from_settings(settings)
-    app = create_app(settings, fleet=fleet)
+    app = create_app(settings, fleet=build_fleet(settings))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=5, access_log=False,

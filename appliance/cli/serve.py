@@ -98,8 +98,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     print(yaml.safe_dump(data, sort_keys=False), end="")
     if args.engines and settings.model is not None:
         from appliance.engine.supervisor import build_specs
+        from appliance.serve import engine_extra_env
 
-        for spec in build_specs(settings, settings.model):
+        for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
             env = " ".join(f"{k}={v}" for k, v in spec.env.items())
             print(f"# {spec.name}: {env} {' '.join(spec.command)}")
     return 0
