@@ -9,12 +9,12 @@ file, then rename), so a reader never sees half a configuration.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.monitoring.alertmanager import render_alertmanager_config
+from appliance.monitoring.files import write_atomic
 from appliance.monitoring.prometheus import RULE_FILES, render_prometheus_config
 from appliance.settings import ConfigError, Settings
 
@@ -63,23 +63,11 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     bundle = Bundle(out)
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
-        _write(bundle.rules_dir / name, (alerts / name).read_text(), 0o644)
-    _write(bundle.prometheus_config, render_prometheus_config(
+        write_atomic(bundle.rules_dir / name, (alerts / name).read_text(), 0o644)
+    write_atomic(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
         scrape_interval_seconds=settings.monitoring.scrape_interval_seconds), 0o644)
-    _write(bundle.alertmanager_config, render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values),
-           0o644 if shared else 0o600)
+    alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
+    write_atomic(bundle.alertmanager_config, alertmanager_text, 0o644 if shared else 0o600)
     return bundle
-
-
-def _write(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
