@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
 from appliance.gateway.metrics import LATENCY_BUCKETS, RequestMetrics
-from appliance.monitoring import rules
+from appliance.monitoring import dashboards, rules
 from appliance.monitoring.alertmanager import render_alertmanager_config
 from appliance.monitoring.config import CONFIG_PATH, MonitoringConfig, MonitoringConfigError, load_config
 from appliance.monitoring.prometheus import prometheus_config
@@ -92,7 +92,7 @@ def test_an_invalid_file_names_the_key(tmp_path: Path, raw: dict[str, Any], chan
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("main", [rules.main])
+@pytest.mark.parametrize("main", [rules.main, dashboards.main])
 def test_generators_refuse_a_bad_config_in_one_line(tmp_path: Path, raw: dict[str, Any], main: Any,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     del raw["slos"]["ttft"]["threshold_seconds"]
