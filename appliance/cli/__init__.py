@@ -21,6 +21,7 @@ COMMANDS = (
     "appliance.cli.model",
     "appliance.loadtest.cli",
     "appliance.monitoring.snapshot",
+    "appliance.monitoring.kubernetes",
 )
 
 

@@ -38,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.serve import serve
 
     settings = load(args)
-    if not settings.engine_urls:
+    if not settings.engine_urls and settings.role != "gateway":  # a gateway finds its engines, it runs none
         if settings.model is None:
             raise ConfigError("model is not set (APPLIANCE_MODEL or `model:` in --config); "
                               "`appliance up` builds and serves the demo model")

@@ -48,6 +48,7 @@ class ReplicaSpec:
     log_path: Path
     start_timeout_seconds: float
     stop_timeout_seconds: float
+    host: str = "127.0.0.1"  # where the gateway reaches the engine: its bind address unless that is a wildcard
 
     @property
     def name(self) -> str:
@@ -55,7 +56,7 @@ class ReplicaSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class SupervisedReplica:

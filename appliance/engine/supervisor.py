@@ -41,9 +41,18 @@ def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | 
                 log_path=settings.state_dir / "logs" / f"engine-{index}.log",
                 start_timeout_seconds=settings.engine.start_timeout_seconds,
                 stop_timeout_seconds=float(settings.engine.shutdown_timeout_seconds),
+                host=connect_host(settings.engine_host),
             )
         )
     return specs
+
+
+def connect_host(bind_host: str) -> str:
+    """The address to reach an engine bound to ``bind_host``: loopback for a wildcard bind, else the address
+    itself (an engine bound to 127.0.0.2 or a pod IP does not answer on 127.0.0.1)."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
 class Supervisor:
