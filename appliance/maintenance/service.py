@@ -59,7 +59,7 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                       warm: Warmer | None = None, annotator: Annotator | None = None,
                       memory: MemoryWatch | None = None) -> Maintenance:
     m = settings.maintenance
-    metrics = MaintenanceMetrics(registry)
+    metrics = MaintenanceMetrics(registry, known_alerts=m.alert_actions)
     timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)

@@ -138,7 +138,7 @@ class AlertActions:
 
     def _decided(self, alert: Alert, name: str, action: str, result: str | None, target: str | None,
                  detail: str) -> Decision:
-        self.metrics.alerts.labels(name, alert.status, action).inc()
+        self.metrics.alert(name, alert.status, action)
         log.info("alert %s (%s) %s: %s", name, alert.status, action, detail)
         return Decision(name, alert.status, action, result, target, detail)
 
