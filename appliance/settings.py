@@ -7,11 +7,12 @@ message naming the key, never later at request time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -163,6 +164,13 @@ class Settings(BaseSettings):
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
+    # reads again. None for settings built in code.
+    _source: SettingsSource | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> SettingsSource | None:
+        return self._source
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
@@ -199,6 +207,17 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+@dataclass(frozen=True)
+class SettingsSource:
+    """The configuration file and explicit overrides settings were loaded from; the environment is re-read."""
+
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Settings:
+        return load_settings(self.config_file, **self.overrides)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings from an optional YAML file and the environment; raise ConfigError on bad input."""
     if config_file is not None:
@@ -211,6 +230,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError
         raise ConfigError(_describe(exc)) from exc
+    loaded._source = SettingsSource(config_file, dict(overrides))
     return loaded
 
 

@@ -39,7 +39,8 @@ async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
 
 @dataclass
 class ReplicaSpec:
-    """Everything needed to (re)start one replica; fixed for the replica's life."""
+    """Everything needed to (re)start one replica; fixed for one engine process's life (a reload stages a new
+    one, used from the next start on)."""
 
     index: int
     port: int
@@ -79,6 +80,7 @@ class SupervisedReplica:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
+        self._staged: ReplicaSpec | None = None
 
     @property
     def name(self) -> str:
@@ -132,6 +134,17 @@ class SupervisedReplica:
         self.status.restarts += 1
         self.start(self._session)
 
+    def stage(self, spec: ReplicaSpec) -> None:
+        """Use ``spec`` from the next start on (``appliance reload``); the running engine keeps its own."""
+        if spec.port != self.spec.port or spec.index != self.spec.index:
+            raise ValueError(f"{self.name}: a staged spec must keep index and port")
+        self._staged = spec
+
+    @property
+    def staged_spec(self) -> ReplicaSpec | None:
+        """A reloaded configuration waiting for this replica's next start."""
+        return self._staged
+
     def drain(self) -> None:
         """Take the replica out of routing; in-flight requests continue."""
         if self.status.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
@@ -162,6 +175,9 @@ class SupervisedReplica:
             self.status.restarts += 1
 
     def _spawn(self) -> None:
+        if self._staged is not None:
+            self.spec, self._staged = self._staged, None
+            log.info("%s: starting on the reloaded configuration", self.name)
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid()),
                GRACE_ENV: str(self.spec.stop_timeout_seconds)}

@@ -190,3 +190,41 @@ def _no_leftovers():
     import psutil
 
     assert not [p for p in psutil.Process().children(recursive=True) if FAKE in " ".join(p.cmdline())]
+
+
+def test_a_staged_spec_is_used_from_the_next_start_on(tmp_path):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port))
+
+    def engine_cmdline() -> str:
+        import psutil
+
+        return " ".join(" ".join(p.cmdline()) for p in psutil.Process(replica.status.pid).children(recursive=True))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        replica.stage(spec(tmp_path, engine(port, "--tag=reloaded"), port))
+        assert replica.staged_spec and "--tag=reloaded" not in engine_cmdline()  # the running engine keeps its own
+        await replica.restart()
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        assert replica.staged_spec is None and "--tag=reloaded" in engine_cmdline()
+        with pytest.raises(ValueError):
+            replica.stage(spec(tmp_path, engine(port), port + 1))
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
+    from appliance.engine.supervisor import Supervisor, build_specs
+    from appliance.settings import Settings
+
+    settings = Settings(model=tmp_path, replicas=2, device="cpu", state_dir=tmp_path)
+    supervisor = Supervisor(build_specs(settings, tmp_path))
+    supervisor.stage(settings.model_copy(update={"engine": settings.engine.model_copy(update={"max_num_seqs": 7})}))
+    for replica in supervisor.replicas:
+        command = replica.staged_spec.command
+        assert command[command.index("--max-num-seqs") + 1] == "7"
+    with pytest.raises(ValueError):
+        supervisor.stage(settings.model_copy(update={"replicas": 3}))
