@@ -46,7 +46,7 @@ TTFT_DRIFT_LIMIT = 0.10
 
 def start_appliance(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str]:
     port = 18700
-    model = ensure_demo_model(Path(args.state_dir) / "models")
+    model = ensure_demo_model(args.models_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")} | {
         "APPLIANCE_MODEL": str(model), "APPLIANCE_REPLICAS": str(args.replicas), "APPLIANCE_PORT": str(port),
         "APPLIANCE_ENGINE_BASE_PORT": str(port + 1), "APPLIANCE_STATE_DIR": str(out / "state"),
@@ -147,7 +147,8 @@ def main() -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--window-seconds", type=float, help="soak window (default: 1/30 of the soak, >= 10 s)")
     parser.add_argument("--sample-seconds", type=float, default=10.0)
-    parser.add_argument("--state-dir", default="var", help="where the demo model is built/cached")
+    parser.add_argument("--models-dir", type=Path, default=Path("var/models"), help="where the demo model is "
+                        "built once and reused")
     parser.add_argument("--out", type=Path, default=Path("var/soak"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
