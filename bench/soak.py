@@ -104,7 +104,8 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
         "soak_verdict": soak["verdict"], "ttft_p95_verdict": ttft["verdict"],
         "ttft_p95_first_s": ttft["first"], "ttft_p95_last_s": ttft["last"],
         "ttft_p95_change": ttft["first_last_change"], "ttft_p95_trend_change": ttft["trend_change"],
-        "requests": soak["summary"].get("requests"), "errors": soak["summary"].get("errors"),
+        "requests": soak["summary"].get("requests"), "succeeded": soak["summary"].get("succeeded"),
+        "errors": soak["summary"].get("errors"),
     }
     summary["pass"] = {
         "rss_growth_below_5pct": summary["rss_growth"] is None or summary["rss_growth"] < RSS_LIMIT,
