@@ -70,6 +70,7 @@ class SupervisedReplica:
     HEALTH_FAILURES_UNHEALTHY = 3
     TERM_EXTRA_SECONDS = 5.0  # after SIGTERM: the engine's shutdown timeout plus this, then SIGKILL
     KILL_WAIT_SECONDS = 5.0  # after SIGKILL: how long stop() waits for the exit before it gives up on the process
+    EXIT_POLL_SECONDS = 0.1  # how soon a dead engine leaves routing (a waitpid(WNOHANG) each time: cheap)
 
     def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
         self.spec = spec
@@ -224,7 +225,16 @@ class SupervisedReplica:
                 if state is ReplicaState.STARTING and time.monotonic() - spawned > self.spec.start_timeout_seconds:
                     log.error("%s not healthy after %.0fs; killing it", self.name, self.spec.start_timeout_seconds)
                     self._kill_group()
-            await asyncio.sleep(0.5 if self.status.state is ReplicaState.STARTING else self.HEALTH_INTERVAL_SECONDS)
+            await self._sleep_unless_exit(0.5 if self.status.state is ReplicaState.STARTING
+                                          else self.HEALTH_INTERVAL_SECONDS)
+
+    async def _sleep_unless_exit(self, seconds: float) -> None:
+        """Sleep between health probes, but notice the process's exit within EXIT_POLL_SECONDS: until then the
+        gateway still routes to the replica's port, where by now anything (or anyone) may answer."""
+        assert self._proc is not None
+        deadline = time.monotonic() + seconds
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(min(self.EXIT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
     async def _answers_itself(self) -> bool:
         """The 200 came from our own engine: its process tree listens on the port (see appliance.engine.ports)."""

@@ -228,3 +228,20 @@ def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
         assert command[command.index("--max-num-seqs") + 1] == "7"
     with pytest.raises(ValueError):
         supervisor.stage(settings.model_copy(update={"replicas": 3}))
+
+
+def test_a_dead_engine_leaves_routing_at_once_not_at_the_next_health_probe(tmp_path):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port), backoff_initial=30)
+    replica.HEALTH_INTERVAL_SECONDS = 60.0  # the next probe is a minute away
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        await asyncio.sleep(0.5)  # into the long sleep between probes
+        os.killpg(replica.status.pid, signal.SIGKILL)
+        await until(lambda: replica.status.state is not ReplicaState.READY, 10)
+        assert replica.status.crashes == 1
+        await replica.stop()
+
+    run(scenario)
