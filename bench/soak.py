@@ -101,7 +101,8 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
         "rss_growth": (rss[-1] - rss[0]) / rss[0] if rss else None,
         "series_after_warmup": series[0] if series else None, "series_end": series[-1] if series else None,
         "series_max": max(series) if series else None,
-        "soak_verdict": soak["verdict"], "ttft_p95_verdict": ttft["verdict"],
+        "soak_verdict": soak["verdict"], "invalid_reason": soak.get("invalid_reason"),
+        "ttft_p95_verdict": ttft["verdict"],
         "ttft_p95_first_s": ttft["first"], "ttft_p95_last_s": ttft["last"],
         "ttft_p95_change": ttft["first_last_change"], "ttft_p95_trend_change": ttft["trend_change"],
         "requests": soak["summary"].get("requests"), "succeeded": soak["summary"].get("succeeded"),
@@ -110,7 +111,8 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
     summary["pass"] = {
         "rss_growth_below_5pct": summary["rss_growth"] is None or summary["rss_growth"] < RSS_LIMIT,
         "series_flat": bool(series) and series[-1] == series[0],
-        "ttft_p95_no_drift": ttft["verdict"] != "drift",
+        "ttft_p95_stable": ttft["verdict"] == "stable",  # "suspect" (a trend, not yet significant) is not a pass
+        "soak_valid": soak["verdict"] != "invalid",  # the load generator kept up (else the numbers mean little)
     }
     return summary
 
