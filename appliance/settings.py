@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -208,6 +209,13 @@ class Settings(BaseSettings):
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
+    # reads again. None for settings built in code.
+    _source: SettingsSource | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> SettingsSource | None:
+        return self._source
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
@@ -248,6 +256,17 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+@dataclass(frozen=True)
+class SettingsSource:
+    """The configuration file and explicit overrides settings were loaded from; the environment is re-read."""
+
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Settings:
+        return load_settings(self.config_file, **self.overrides)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings from an optional YAML file and the environment; raise ConfigError on bad input."""
     if config_file is not None:
@@ -260,6 +279,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError
         raise ConfigError(_describe(exc)) from exc
+    loaded._source = SettingsSource(config_file, dict(overrides))
     return loaded
 
 
