@@ -104,7 +104,7 @@ class RoutingScorerSettings(BaseModel):
         "weighted", description="weighted: highest weighted score wins; round_robin: rotate (benchmark baseline)."
     )
     weights: ScorerWeights = Field(default_factory=ScorerWeights)
-    tie_breakers: list[ScorerName] = Field(
+    tie_breakers: Annotated[list[ScorerName], NoDecode] = Field(
         default_factory=lambda: ["kv_cache", "queue"],
         description="Scorers that order equal weighted totals, in turn; then the lower replica index.",
     )
