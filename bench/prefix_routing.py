@@ -48,10 +48,13 @@ POLICIES = {  # name -> the gateway's environment for it
     "prefix": {},
     "round_robin": {"APPLIANCE_ROUTING__SCORERS__POLICY": "round_robin"},
 }
-WORDS = ("the of and to in is was that for on as with by at from his an were are which this be or has had not "
-         "but one all their there been its more when who will would can them time into only some other than "
-         "then could these two may first any after most also over where such through between under system "
-         "question answer model value return function class module object string number list file").split()
+_WORD_TEXT = (
+    "the of and to in is was that for on as with by at from his an were are which this be or has had not "
+    "but one all their there been its more when who will would can them time into only some other than "
+    "then could these two may first any after most also over where such through between under system question "
+    "answer model value return function class module object string number list file"
+)
+WORDS = tuple(_WORD_TEXT.split(" "))
 
 
 # -- the workload ---------------------------------------------------------------------------------------------
@@ -325,7 +328,8 @@ def main() -> None:
     eng.add_argument("--prefix-tokens", type=int, default=700, help="per conversation (system + earlier turns)")
     eng.add_argument("--max-model-len", type=int, default=1024)
     eng.add_argument("--blocks", type=int, default=0, help="KV blocks per engine; default: 2/3 of all prefixes")
-X
+    eng.add_argument("--block-size", type=int, default=128,
+                     help="vLLM's KV block size (the CPU backend's default is 128); only sizes --blocks' default")
     eng.add_argument("--clients", type=int, default=8)
     eng.add_argument("--max-tokens", type=int, default=8)
     eng.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
