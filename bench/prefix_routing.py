@@ -109,7 +109,7 @@ def start_engine(model: Path, port: int, core: int, blocks: int, max_len: int, l
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "demo", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_len), "--max-num-seqs", "16", "--enable-prefix-caching",
-           "--num-gpu-blocks-override", str(blocks), "--disable-log-requests"]
+           "--num-gpu-blocks-override", str(blocks)]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
