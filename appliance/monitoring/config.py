@@ -130,6 +130,7 @@ class AlertKnobs(_Model):
     ApplianceFragmentationRising: Fragmentation
     ApplianceReplicaHung: ReplicaHung
     ApplianceRestartLoop: RestartLoop
+    ApplianceReplicaSpawnFailing: ThresholdWindow
     ApplianceDrainStuck: For
     ApplianceLatencyDrift: LatencyDrift
     ApplianceSlowModelLoad: SlowModelLoad

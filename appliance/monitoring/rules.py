@@ -315,6 +315,17 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
         summary="Replica {{ $labels.replica }} keeps crashing.",
         description="The engine of {{ $labels.replica }} exited unasked {{ $value | printf \"%.0f\" }} times in "
                     f"the last {c.window}; the supervisor restarts it with a growing backoff."))
+    c = knobs.ApplianceReplicaSpawnFailing
+    out.append(Alert(
+        "ApplianceReplicaSpawnFailing",
+        f"max by ({by}) (increase(appliance_replica_spawn_failures_total{{{app}}}[{c.window}])) > {c.threshold}\n"
+        f"and on (job, instance, replica)\n"
+        f'max by ({by}) (appliance_replica_state{{{app},state=~"backoff|starting"}}) == 1\n',
+        "warning", for_=c.for_,
+        summary="The engine of replica {{ $labels.replica }} cannot be started.",
+        description="Starting the engine process of {{ $labels.replica }} failed {{ $value | printf \"%.0f\" }} "
+                    f"times in the last {c.window} (not a crash: the process never ran) and the replica is not "
+                    "ready. `appliance status` shows the last error; the supervisor keeps retrying with backoff."))
     c = knobs.ApplianceDrainStuck
     out.append(Alert(
         "ApplianceDrainStuck", f'max by ({by}) (appliance_replica_state{{{app},state="draining"}}) == 1', "warning",

@@ -217,13 +217,17 @@ def test_the_brief_is_covered() -> None:
             "appliance_tokens_total"} <= queried("appliance-overview")
     assert {"vllm:kv_cache_usage_perc", "appliance_queue_length", "vllm:num_requests_waiting",
             "vllm:num_requests_running", "vllm:num_preemptions_total", "appliance_replica_concurrency_limit",
-            "appliance_admission_rejections_total", "appliance_inflight_requests"} <= queried("appliance-capacity")
+            "appliance_admission_rejections_total", "appliance_inflight_requests",
+            "appliance_routing_decisions_total", "appliance_routing_prefix_match_ratio_bucket",
+            "appliance_routing_prefix_index_bytes", "appliance_routing_prefix_yields_total",
+            "appliance_routing_duration_seconds_bucket"} <= queried("appliance-capacity")
     assert {"appliance_mbu_ratio", "appliance_mfu_ratio", "appliance_engine_resident_memory_bytes",
             "appliance_gpu_memory_used_bytes", "appliance_engine_memory_fragmentation_ratio",
             "appliance_engine_oom_total", "appliance_gpu_temperature_celsius", "appliance_gpu_power_watts",
             "appliance_collector_source"} <= queried("appliance-hardware")
     assert {"appliance_replica_state", "appliance_replica_restarts_total", "appliance_replica_crashes_total",
             "appliance_replica_model_load_seconds", "appliance_replica_last_restart_timestamp_seconds",
+            "appliance_replica_spawn_failures_total",
             "appliance_maintenance_actions_total", "appliance_replica_hung",
             "appliance_maintenance_next_window_timestamp_seconds"} <= queried("appliance-maintenance")
 
@@ -491,6 +495,23 @@ def test_capacity_shows_the_prefix_cache_hit_rate() -> None:
             assert "> 0)" in expr, "no sample, rather than NaN, while nothing was looked up"
     legends = [t["legendFormat"] for t in _panel("appliance-capacity", "Prefix cache hit ratio")["targets"]]
     assert legends == ["{{replica}}", "all replicas"]
+
+
+def test_capacity_shows_routing_decisions_and_prefix_affinity() -> None:
+    """Routing's own row: decisions by scorer, the router's prefix match beside the engines' cache hits, the
+    index's memory, yields and the router's p99 time."""
+    row = [p for p in BOARDS["appliance-capacity"]["panels"] if p["type"] == "row" and p["title"] == "Routing"]
+    assert row, "no Routing row"
+    decisions = _panel("appliance-capacity", "Routing decisions by scorer")["targets"]
+    assert [t["legendFormat"] for t in decisions] == ["{{decided_by}}"]
+    assert "by (decided_by)" in decisions[0]["expr"]
+    match, hits = _panel("appliance-capacity", "Prefix match vs prefix cache hit")["targets"]
+    assert match["expr"].startswith("histogram_quantile(0.5, ")
+    assert metric_names(match["expr"]) == {"appliance_routing_prefix_match_ratio_bucket"}
+    assert metric_names(hits["expr"]) == {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"}
+    [p99] = _panel("appliance-capacity", "Routing time p99")["targets"]
+    assert p99["expr"].startswith("histogram_quantile(0.99, ")
+    assert _panel("appliance-capacity", "Prefix index memory")["fieldConfig"]["defaults"]["unit"] == "bytes"
 
 
 def test_capacity_shows_the_kv_cache_dtype_per_replica() -> None:

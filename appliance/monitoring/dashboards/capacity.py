@@ -1,4 +1,4 @@
-"""Appliance / Capacity: is there headroom? KV cache, queues, batching, preemptions and admission control."""
+"""Appliance / Capacity: is there headroom? KV cache, queues, batching, preemptions, admission control, routing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ from typing import Any
 
 from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
-from appliance.monitoring.dashboards.panels import heatmap, increase, rate, runbooks, stat, table, target, timeseries
+from appliance.monitoring.dashboards.panels import (
+    RATE,
+    heatmap,
+    increase,
+    rate,
+    runbooks,
+    stat,
+    table,
+    target,
+    timeseries,
+)
 
 UID = "appliance-capacity"
 KV_FULL, BACKLOG, SHEDDING, PREEMPTIONS = ("ApplianceKVCacheNearFull", "ApplianceQueueBacklog",
@@ -19,6 +29,48 @@ def prefix_cache_hit_ratio(engine: str, *, by: str = "") -> str:
     """Prompt tokens found in vLLM's prefix cache over prompt tokens looked up; no sample while none were."""
     return (f"{rate('vllm:prefix_cache_hits_total', engine, by=by)} / "
             f"({rate('vllm:prefix_cache_queries_total', engine, by=by)} > 0)")
+
+
+def routing_panels(gw: str, engine: str) -> list[dict[str, Any]]:
+    """How the gateway's router decides (appliance/gateway/routing/): which scorer decided, whether prefix
+    affinity pays off in the engines' prefix caches, what the index costs, and what routing costs per request."""
+    match = "appliance_routing_prefix_match_ratio"
+    duration = "appliance_routing_duration_seconds"
+    return [
+        timeseries(21, "Routing decisions by scorer",
+                   target(rate("appliance_routing_decisions_total", gw, by="decided_by"), "{{decided_by}}"),
+                   unit="ops", stack=True,
+                   description="Routing decisions per second by what separated the chosen replica from the "
+                               "runner-up: a scorer (outstanding, kv_cache, queue, prefix), a tie-breaker (tie_*), "
+                               "nothing (index), a single candidate (single), or round_robin."),
+        timeseries(22, "Prefix match vs prefix cache hit",
+                   target(f"histogram_quantile(0.5, sum by (le) (rate({match}_bucket{{{gw}}}[{RATE}])))",
+                          "router prefix match p50"),
+                   target(prefix_cache_hit_ratio(engine), "engine prefix cache hit"),
+                   unit="percentunit", min_=0, max_=1,
+                   description="Median share of each prompt whose prefix the router had recently sent to the "
+                               "chosen replica, next to the share of prompt tokens the engines found in vLLM's "
+                               "prefix cache: affinity that works shows up as cache hits."),
+        timeseries(23, "Prefix index memory", target(f"appliance_routing_prefix_index_bytes{{{gw}}}", "{{instance}}"),
+                   unit="bytes", w=8, min_=0,
+                   description="Accounted memory of each gateway's prefix-affinity index; bounded by "
+                               "routing.scorers.prefix.index_bytes, beyond which the least recently used blocks "
+                               "are evicted."),
+        timeseries(24, "Prefix affinity yields", target(rate("appliance_routing_prefix_yields_total", gw), "yields"),
+                   unit="ops", w=8, min_=0,
+                   description="Decisions per second where a replica holding the prompt's prefix was passed over "
+                               "because it was over its bounded load (routing.scorers.prefix.load_factor)."),
+        timeseries(25, "Routing time p99",
+                   target(f"histogram_quantile(0.99, sum by (le) (rate({duration}_bucket{{{gw}}}[{RATE}])))", "p99"),
+                   unit="s", w=8, min_=0,
+                   description="99th percentile of the time the router took to choose a replica for one request "
+                               "(filters, scorers, prompt hashing, index update); it adds to every TTFT."),
+        heatmap(26, "Prefix match distribution", match, gw, unit="percentunit",
+                description="Requests per prefix-match bucket: the share of the prompt recently sent to the chosen "
+                            "replica (0 = a new prefix, 1 = all of it)."),
+        heatmap(27, "Routing time distribution", duration, gw, unit="s",
+                description="Requests per bucket of the router's decision time."),
+    ]
 
 
 def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
@@ -124,7 +176,8 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                 description="Time to first token measured inside the engines, per bucket."),
     ]
     sections = [Section(101, "Headroom now", now), Section(102, "KV cache", kv_cache),
-                Section(103, "Queues and admission", queues), Section(104, "Engines", engines)]
+                Section(103, "Queues and admission", queues), Section(104, "Engines", engines),
+                Section(105, "Routing", routing_panels(gw, engine))]
     return dashboard(UID, "Appliance / Capacity",
                      "Is there headroom? KV cache, queues, batching, preemptions and admission control.",
                      sections, ["capacity"], sel)

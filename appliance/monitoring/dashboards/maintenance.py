@@ -52,9 +52,11 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                           "crashes {{replica}}"),
                    target(increase("appliance_replica_starts_total", gw_replica, by="replica"),
                           "starts {{replica}}"),
-                   unit="none", links=runbooks(config, "ApplianceRestartLoop"),
-                   description="Engine starts, restarts and unrequested exits per interval; crashes "
-                                            "that repeat are a restart loop."),
+                   target(increase("appliance_replica_spawn_failures_total", gw_replica, by="replica"),
+                          "spawn failures {{replica}}"),
+                   unit="none", links=runbooks(config, "ApplianceRestartLoop", "ApplianceReplicaSpawnFailing"),
+                   description="Engine starts, restarts, unrequested exits and failed spawns (the engine process "
+                               "could not even be started) per interval; crashes that repeat are a restart loop."),
         timeseries(9, "Model load time", target(f"appliance_replica_model_load_seconds{{{gw_replica}}}",
                                                 "{{replica}}"), unit="s",
                    thresholds=[(None, "green"), (config.alerts.ApplianceSlowModelLoad.threshold_seconds, "red")],
