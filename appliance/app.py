@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
-from appliance import status
+from appliance import status, version
 from appliance.collectors import register_collectors
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway.core import Gateway, build_gateway
@@ -75,7 +75,7 @@ def create_app(
             await gateway.upstream.close()
             gateway.tracer_provider.shutdown()
 
-    app = FastAPI(title="appliance gateway", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan)
     app.state.settings = settings
     app.state.fleet = fleet
     app.state.replicas = replicas
@@ -108,12 +108,3 @@ def maintenance_api_error(exc: Exception) -> APIError:
     if isinstance(exc, InvalidConfig):
         return APIError(400, exc.message, code=exc.code)
     return APIError(409, exc.message, code=exc.code)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("appliance")
-    except PackageNotFoundError:
-        return "0+unknown"

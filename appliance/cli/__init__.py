@@ -11,7 +11,8 @@ import argparse
 import importlib
 import sys
 
-from appliance.cli.common import CLIError, version
+from appliance import version
+from appliance.cli.common import CLIError
 from appliance.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
 
 # Modules that register subcommands, in the order `appliance --help` lists them.

@@ -44,13 +44,3 @@ def setup_logging(level: str) -> None:
     if level != "debug":  # libraries that log every request or job at INFO drown the appliance's own lines
         for noisy in ("httpx", "apscheduler"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("appliance")
-    except PackageNotFoundError:
-        return "0+unknown"
