@@ -14,9 +14,11 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from appliance.engine.contract import Replica
 from appliance.gateway.router import Outcome, Router
+from appliance.gateway.routing import RoutingRequest
 from appliance.http.errors import APIError
 
 
@@ -70,6 +72,16 @@ class ConcurrencyLimits:
         return self._limits[name]
 
 
+@dataclass(frozen=True, eq=False)
+class _Waiter:
+    """A queued request: what it waits on, the replicas it must not get (a retry leaves the ones that failed it)
+    and its prompt, for prefix affinity when capacity frees up."""
+
+    future: asyncio.Future
+    exclude: frozenset[str]
+    request: RoutingRequest | None
+
+
 class Admission:
     """Hands out replicas under their limits; queues the rest, bounded in length and in time."""
 
@@ -79,16 +91,16 @@ class Admission:
         self.limits = limits
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
-        # Each waiter with the replicas it must not get (a retry leaves the one that just failed it).
-        self._waiters: deque[tuple[asyncio.Future, frozenset[str]]] = deque()
+        self._waiters: deque[_Waiter] = deque()
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
 
     @property
     def queue_length(self) -> int:
-        return sum(1 for w, _ in self._waiters if not w.done())
+        return sum(1 for entry in self._waiters if not entry.future.done())
 
-    async def acquire(self, exclude: frozenset[str] = frozenset()) -> Replica:
-        replica = self.router.try_acquire(exclude)
+    async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None
+                      ) -> Replica:
+        replica = self.router.try_acquire(exclude, request)
         if replica is not None:
             return replica
         if not self.router.any_eligible(exclude) and not self.router.capacity_expected():
@@ -98,7 +110,7 @@ class Admission:
             self.rejected["queue_full"] += 1
             raise self._overloaded("gateway queue is full")
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append((waiter, exclude))
+        self._waiters.append(_Waiter(waiter, exclude, request))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
         except asyncio.TimeoutError:
@@ -126,17 +138,16 @@ class Admission:
         """Give freed capacity to the oldest waiters, each within its exclusions: a waiter that may not take
         what is free keeps its place, and the next one is served."""
         for entry in list(self._waiters):
-            waiter, exclude = entry
-            if waiter.done():
+            if entry.future.done():
                 self._waiters.remove(entry)
                 continue
-            replica = self.router.try_acquire(exclude)
+            replica = self.router.try_acquire(entry.exclude, entry.request)
             if replica is None:
-                if not exclude:
+                if not entry.exclude:
                     return  # nothing free for anyone
                 continue
             self._waiters.remove(entry)
-            waiter.set_result(replica)
+            entry.future.set_result(replica)
 
     def _overloaded(self, why: str) -> APIError:
         retry_after = max(1, math.ceil(self.queue_timeout_seconds / 2))

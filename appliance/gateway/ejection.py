@@ -8,7 +8,8 @@ know it is ejected.
 
 Panic threshold (Envoy's healthy_panic_threshold): ejection must never cost more capacity than the sickness it
 guards against. When fewer than ``eject_panic_threshold`` of the routable replicas would remain, and always when
-none would, ejection is ignored and every routable replica takes traffic (``effective_ejected``).
+none would, ejection is ignored and every routable replica takes traffic (``panic``; the router's ``is_ejected``,
+which the routing filters read, applies it).
 """
 
 from __future__ import annotations
@@ -54,15 +55,9 @@ class Ejector:
         health = self.health.get(name)
         return health is not None and health.ejected
 
-    def effective_ejected(self, names: Iterable[str]) -> set[str]:
-        """Which of these routable replicas routing should skip: the ejected ones, unless that would leave
-        fewer healthy than the panic threshold (or none): then none, and routing spreads over all of them."""
-        names = list(names)
-        ejected = {n for n in names if self.is_ejected(n)}
-        return set() if ejected and self._panics(len(names), len(ejected)) else ejected
-
     def panic(self, names: Iterable[str]) -> bool:
-        """Whether ejection is being ignored for these routable replicas."""
+        """Whether ejection is ignored for these routable replicas: fewer healthy than the panic threshold (or none)
+        would be left without the ejected ones, so routing spreads over all of them."""
         names = list(names)
         ejected = sum(1 for n in names if self.is_ejected(n))
         return bool(ejected) and self._panics(len(names), ejected)

@@ -15,7 +15,8 @@ from aiohttp import web
 class StubUpstream:
     """An aiohttp server in its own thread; records what it received; can be told to delay or fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
         self.received: list[dict] = []
         self.headers: list[dict] = []
         self.delay = 0.0
@@ -24,7 +25,7 @@ class StubUpstream:
         self.stall = 0.0  # streams: silence after the first chunk, like a hung engine
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.port = port
         self.aborted = 0  # requests whose client (the gateway) hung up before the answer was complete
         self.answered = 0  # non-streaming requests answered in full
 
@@ -36,7 +37,7 @@ class StubUpstream:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
         if not self._loop.is_running():
@@ -58,7 +59,7 @@ class StubUpstream:
         app.router.add_get("/health", lambda _r: web.Response(text="ok"))
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         self._loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]
         ready.set()

@@ -64,7 +64,7 @@ def test_resolved_and_unlisted_alerts_are_only_recorded(make_app):
     assert [d["action"] for d in decisions] == ["none", "none"]
     wait_idle(client)
     assert [r.status.restarts for r in replicas] == [0, 0]
-    assert alerts_seen(registry, "HighTTFT", "firing", "none") == 1
+    assert alerts_seen(registry, "other", "firing", "none") == 1  # off the whitelist: one bounded series
     assert registry.get_sample_value("appliance_maintenance_actions_total",
                                      {"action": "restart", "trigger": "alert", "result": "ok"}) is None
 
@@ -138,3 +138,15 @@ def test_deeply_nested_json_is_a_400_not_a_500(make_app):
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "invalid_alert_payload" and "nested too deeply" in error["message"]
+
+
+def test_alert_names_off_the_whitelist_share_one_series(make_app):
+    client, _replicas, registry = make_app()
+    invented = [alert(f"Invented{i}", replica=None, fingerprint=f"x{i}") for i in range(200)]
+    client.post("/admin/alerts", json=payload(*invented), headers=AUTH)
+    client.post("/admin/alerts", json=payload(*(a | {"status": "resolved"} for a in invented)), headers=AUTH)
+    series = [s for metric in registry.collect() if metric.name == "appliance_alert_webhook_alerts"
+              for s in metric.samples if s.name.endswith("_total")]
+    assert {s.labels["alertname"] for s in series} == {"other"}
+    assert alerts_seen(registry, "other", "firing", "none") == 200
+    assert alerts_seen(registry, "other", "resolved", "none") == 200
