@@ -48,13 +48,22 @@ def assets_dir(settings: Settings) -> Path:
     return root
 
 
+def sd_bearer_token(settings: Settings) -> str | None:
+    """The token Prometheus' HTTP SD sends to the gateway's /sd/targets, which needs one when API keys are set:
+    the admin token, or (no admin token) the first API key; None when /sd/targets is open."""
+    if not settings.api_keys:
+        return None
+    return settings.admin_token or settings.api_keys[0]
+
+
 def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: str | None, prometheus: str,
                  env: Mapping[str, str] | None = None, shared: bool = False) -> Bundle:
     """Render Prometheus' and Alertmanager's configuration and copy the rules into ``out``.
 
     ``env`` fills the Alertmanager template's webhook URLs; the appliance's own webhook defaults to the gateway's
     /admin/alerts with the admin token. ``shared``: files readable by other users (compose containers run as
-    other users); otherwise the Alertmanager config, which holds the admin token, is private to this user.
+    other users); otherwise the files holding a secret are private to this user: the Alertmanager config (the admin
+    token) and, when API keys are set, the Prometheus config (its /sd/targets bearer token).
     """
     alerts = assets_dir(settings) / "alerts"
     values = dict(os.environ if env is None else env)
@@ -65,9 +74,11 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
         atomic_write_text(bundle.rules_dir / name, (alerts / name).read_text(), mode=0o644)
+    token = sd_bearer_token(settings)
     atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
-        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds), mode=0o644)
+        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds, sd_bearer_token=token),
+        mode=0o644 if shared or token is None else 0o600)
     alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
     atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)
     return bundle

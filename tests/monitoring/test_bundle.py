@@ -70,3 +70,28 @@ sys.exit(main(["monitoring-config", "--out", {str(tmp_path)!r}, "--gateway", "ap
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "prometheus.yml").is_file()
+
+
+def _sd_authorization(bundle) -> dict | None:
+    vllm = next(job for job in yaml.safe_load(bundle.prometheus_config.read_text())["scrape_configs"]
+                if job["job_name"] == "vllm")
+    return vllm["http_sd_configs"][0].get("authorization")
+
+
+def test_engine_discovery_authenticates_when_api_keys_are_set(tmp_path) -> None:
+    # /sd/targets needs a token when API keys are set: without it Prometheus would discover no engine.
+    keyed = write_bundle(tmp_path / "keyed", Settings(admin_token="s3cret", api_keys=["k1"]), gateway="g:1",
+                         alertmanager=None, prometheus="p:2", env={})
+    assert _sd_authorization(keyed) == {"type": "Bearer", "credentials": "s3cret"}
+    assert stat.S_IMODE(keyed.prometheus_config.stat().st_mode) == 0o600  # it holds a secret now
+    no_admin = write_bundle(tmp_path / "no-admin", Settings(api_keys=["k1"]), gateway="g:1", alertmanager=None,
+                            prometheus="p:2", env={})
+    assert _sd_authorization(no_admin) == {"type": "Bearer", "credentials": "k1"}
+    shared = write_bundle(tmp_path / "compose", Settings(admin_token="s3cret", api_keys=["k1"]), gateway="g:1",
+                          alertmanager=None, prometheus="p:2", env={}, shared=True)
+    assert stat.S_IMODE(shared.prometheus_config.stat().st_mode) == 0o644  # containers run as other users
+    open_gateway = write_bundle(tmp_path / "open", Settings(admin_token="s3cret"), gateway="g:1", alertmanager=None,
+                                prometheus="p:2", env={})
+    assert _sd_authorization(open_gateway) is None and "s3cret" not in open_gateway.prometheus_config.read_text()
+    assert stat.S_IMODE(open_gateway.prometheus_config.stat().st_mode) == 0o644
+    assert not list(tmp_path.rglob(".*"))
