@@ -160,8 +160,11 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                    target(f"appliance_replica_ejected{{{gw_replica}}}", "ejected {{replica}}"),
                    target(increase("appliance_replica_ejections_total", gw_replica, by="replica"),
                           "ejections {{replica}}"),
+                   target(f"appliance_routing_panic{{{gw}}}", "panic (ejection ignored)"),
                    unit="none", description="1 while the router has ejected a replica for slow or failing "
-                                            "responses, and ejections per interval."),
+                                            "responses, and ejections per interval. Panic is 1 while so many "
+                                            "are ejected (routing.eject_panic_threshold) that routing ignores "
+                                            "ejection and uses every routable replica."),
     ]
     engines = [
         timeseries(14, "Generation throughput by replica",
