@@ -210,6 +210,82 @@ def torch_top1(model: Path, windows: list[list[int]]) -> list[list[int]]:
         return [reference(input_ids=torch.tensor([w])).logits[0, :-1].argmax(-1).tolist() for w in windows]
 
 
+def round_to_nearest_e4m3(t):
+    """K/V through float8_e4m3fn with scale 1.0, rounding to nearest (what CUDA's conversion does)."""
+    import torch
+
+    return t.float().clamp(-448, 448).to(torch.float8_e4m3fn).float().to(t.dtype)
+
+
+def truncate_e4m3(t):
+    """K/V through e4m3 with scale 1.0, rounding toward zero: 3 mantissa bits kept, the rest dropped
+    (subnormals step by 2^-9 below 2^-6)."""
+    import torch
+
+    x = t.float().clamp(-448, 448)
+    exponent = torch.floor(torch.log2(x.abs().clamp(min=2.0**-9))).clamp(min=-6)
+    ulp = 2.0 ** (exponent - 3)
+    return (torch.sign(x) * torch.floor(x.abs() / ulp) * ulp).to(t.dtype)
+
+
+def torch_kv_simulation(model: Path, windows: list[list[int]]) -> dict[str, float]:
+    """Top-1 agreement of the original model in float32 with its K/V (after RoPE, as the cache holds them)
+    rounded through e4m3, to nearest and toward zero, against the same model with exact K/V."""
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(round_kv):
+        def attention(module, query, key, value, *args, **kwargs):
+            return sdpa_attention_forward(module, query, round_kv(key), round_kv(value), *args, **kwargs)
+        return attention
+
+    AttentionInterface.register("kv_e4m3_nearest", rounded(round_to_nearest_e4m3))
+    AttentionInterface.register("kv_e4m3_toward_zero", rounded(truncate_e4m3))
+    tops = {}
+    for name in ("sdpa", "kv_e4m3_nearest", "kv_e4m3_toward_zero"):
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=name).eval()
+        with torch.no_grad():
+            tops[name] = [net(input_ids=torch.tensor([w])).logits[0, :-1].argmax(-1).tolist() for w in windows]
+    return {name: agreement(tops[name], tops["sdpa"])[0] for name in ("kv_e4m3_nearest", "kv_e4m3_toward_zero")}
+
+
+def cpu_fp8_cache_rounding() -> dict[str, float] | None:
+    """How vLLM's CPU attention stores K/V in an fp8 cache: a query that attends to one token gets that
+    token's V back as the cache holds it; compare with round-to-nearest and round-toward-zero e4m3."""
+    import math
+
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim, block = 128, 4, 2, 64, 128
+    q, k, v = ((torch.randn(tokens, n, dim) * 0.5).bfloat16() for n in (heads, kv_heads, kv_heads))
+    isa = _get_attn_isa(torch.bfloat16, block, dim, "fp8")
+    cache = torch.zeros(1, kv_heads, block, 2 * dim, dtype=torch.uint8)
+    key_cache, value_cache = cache.view(1, kv_heads, block * 2, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(tokens), isa, 1.0, 1.0, "fp8")
+    starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lens, dtype=torch.bfloat16,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        kv_cache_dtype="fp8")
+    out = torch.empty(tokens, heads, dim, dtype=torch.bfloat16)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts, seq_lens=lens,
+        scale=1 / math.sqrt(dim), causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+        k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8")
+    stored = out[0].float()  # query 0 sees token 0 only: the output is V[0] as stored
+    v0 = v[0].repeat_interleave(heads // kv_heads, dim=0)
+    return {"equals_round_to_nearest": (stored == round_to_nearest_e4m3(v0).float()).float().mean().item(),
+            "equals_round_toward_zero": (stored == truncate_e4m3(v0).float()).float().mean().item()}
+
+
 def ensure_models(models_dir: Path) -> dict[str, Path]:
     from appliance.cli import ensure_demo_model
     from appliance.model.quantize import quantize_checkpoint
@@ -245,7 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference = torch_top1(models["bf16"], windows)
     quantize_report = models["fp8"].parent / "demo-fp8.quantize.json"
     return {"settings": {k: v for k, v in vars(args).items()}, "logs": str(logs), "runs": runs,
-            "torch_reference_top1": reference,
+            "torch_reference_top1": reference, "torch_kv_simulation": torch_kv_simulation(models["bf16"], windows),
+            "cpu_fp8_cache_rounding": cpu_fp8_cache_rounding(),
             "fp8_quantize_report": json.loads(quantize_report.read_text()) if quantize_report.is_file() else None}
 
 
@@ -261,6 +338,9 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
         "kv_blocks": {"auto": auto["blocks"], "fp8": fp8["blocks"], "ratio": fp8["blocks"] / auto["blocks"]},
         "kv_top1_agreement": kv_top1, "kv_top1_positions": kv_positions,
         "kv_greedy_token_agreement": greedy_tokens, "kv_greedy_identical": [identical, len(auto["greedy"])],
+        "kv_top1_vs_torch": {"auto": agreement(auto["top1"], data["torch_reference_top1"])[0],
+                             "fp8": agreement(fp8["top1"], data["torch_reference_top1"])[0]},
+        "torch_kv_simulation": data["torch_kv_simulation"], "cpu_fp8_cache_rounding": data["cpu_fp8_cache_rounding"],
         "throughput": {b: {"auto": auto["throughput"][b], "fp8": fp8["throughput"][b],
                            "ratio": fp8["throughput"][b] / auto["throughput"][b]} for b in auto["throughput"]},
         "overflow": {kv: runs[f"overflow-{kv}"]["overflow"] | {"blocks": runs[f"overflow-{kv}"]["blocks"]}
@@ -284,6 +364,15 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines += [
         f"top-1 agreement fp8 vs auto (teacher-forced, {s['kv_top1_positions']} positions): "
         f"{s['kv_top1_agreement']:.4f}",
+        f"top-1 agreement with the original model in torch fp32: auto {s['kv_top1_vs_torch']['auto']:.4f}, "
+        f"fp8 {s['kv_top1_vs_torch']['fp8']:.4f}",
+        f"torch, original model, K/V through e4m3 (scale 1.0) vs exact: round-to-nearest "
+        f"{s['torch_kv_simulation']['kv_e4m3_nearest']:.4f}, round-toward-zero "
+        f"{s['torch_kv_simulation']['kv_e4m3_toward_zero']:.4f}",
+        *([f"vLLM CPU fp8 cache holds round-toward-zero values: "
+           f"{s['cpu_fp8_cache_rounding']['equals_round_toward_zero']:.0%} of V elements equal truncation, "
+           f"{s['cpu_fp8_cache_rounding']['equals_round_to_nearest']:.0%} round-to-nearest"]
+          if s["cpu_fp8_cache_rounding"] else []),
         f"greedy continuations ({args.greedy_tokens} tokens): {s['kv_greedy_identical'][0]}/"
         f"{s['kv_greedy_identical'][1]} identical, token agreement {s['kv_greedy_token_agreement']:.4f}",
         f"overflow load: {args.requests} requests, Poisson {args.rate}/s, {args.prompt_tokens} prompt + "
@@ -337,10 +426,10 @@ def main() -> None:
         return
     data = run(args)
     summary = summarize(data)
+    print(render(summary, args))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"summary": summary, **data}, indent=1))
-    print(render(summary, args))
+        args.out.write_text(json.dumps({"summary": summary, **data}, indent=1, default=str))
 
 
 if __name__ == "__main__":
