@@ -22,22 +22,33 @@ class AdminError(RuntimeError):
 
 
 def admin_token() -> str | None:
-    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated under the state dir."""
+    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated: under $APPLIANCE_STATE_DIR, ./var, or the
+    source tree's var/ (where `make up` runs), so the operator commands work from any directory."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
-    path = os.path.join(os.environ.get("APPLIANCE_STATE_DIR", "var"), TOKEN_FILE)
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    for state_dir in token_dirs():
+        try:
+            with open(os.path.join(state_dir, TOKEN_FILE)) as f:
+                if token := f.read().strip():
+                    return token
+        except OSError:
+            continue
+    return None
+
+
+def token_dirs() -> list[str]:
+    from appliance.paths import DEFAULT_STATE_DIR
+
+    configured = os.environ.get("APPLIANCE_STATE_DIR")
+    return [configured] if configured else ["var", str(DEFAULT_STATE_DIR)]
 
 
 def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
     token = admin_token()
     if not token:
-        raise AdminError(f"{TOKEN_ENV} is not set: export the appliance's admin token first")
+        raise AdminError(f"no admin token: set {TOKEN_ENV}, or run from where `appliance up` wrote "
+                         f"{TOKEN_FILE} (looked in {', '.join(token_dirs())})")
     request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method, data=b"" if method == "POST" else None,
                                      headers={"Authorization": f"Bearer {token}"})
     try:

@@ -7,6 +7,8 @@ message naming the key, never later at request time.
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -62,12 +64,18 @@ class EngineSettings(BaseModel):
     start_timeout_seconds: float = Field(
         300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
     )
-    extra_args: list[str] = Field(default_factory=list, description="More vLLM flags, passed verbatim.")
+    extra_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
+        "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."
+    )
 
     @field_validator("extra_args", mode="before")
     @classmethod
     def _split_args(cls, value: Any) -> Any:
-        return value.split() if isinstance(value, str) else value
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else shlex.split(text)
+        return value
 
     @field_validator("extra_args")
     @classmethod
@@ -121,6 +129,38 @@ class AdmissionSettings(BaseModel):
     )
 
 
+class DiscoverySettings(BaseModel):
+    """Gateway role: engines found by DNS (a Kubernetes headless Service), re-resolved on an interval."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, description="DNS name whose A/AAAA records are the node addresses (e.g. the headless Service "
+        "appliance-engines.NAMESPACE.svc.cluster.local); required when role is gateway."
+    )
+    interval_seconds: float = Field(5.0, gt=0, description="How often the name is resolved again.")
+    engines_per_node: int = Field(
+        1, ge=1, le=64, description="Engines behind each address, at engine_base_port + i (the node's replicas)."
+    )
+    nameserver: str | None = Field(
+        None, description="host:port of the DNS server to ask (tests, or a resolver other than the system's); "
+        "unset: the system resolver (getaddrinfo)."
+    )
+    resolve_timeout_seconds: float = Field(
+        2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
+    )
+
+    @field_validator("nameserver")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"nameserver must be host:port, got {value!r}")
+        return value
+
+
 class Settings(BaseSettings):
     """Everything the appliance reads at start. See docs/configuration.md for each key."""
 
@@ -169,12 +209,17 @@ class Settings(BaseSettings):
         1.0, ge=0, le=1, description="Fraction of new traces recorded when an OTLP endpoint is set."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
+    role: Literal["all", "node", "gateway"] = Field(
+        "all", description="all: gateway and engines in one process (one host). node: this node's engines (a "
+        "Kubernetes node pod). gateway: routing only, engines found by `discovery`."
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
@@ -192,6 +237,10 @@ class Settings(BaseSettings):
             )
         if engine_ports.stop - 1 > 65535:
             raise ValueError("engine_base_port + replicas exceeds 65535")
+        if self.role == "gateway" and not self.discovery.name:
+            raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
+        if self.role == "gateway" and self.engine_urls:
+            raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
         return self
 
     @classmethod

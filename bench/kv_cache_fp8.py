@@ -287,7 +287,7 @@ def cpu_fp8_cache_rounding() -> dict[str, float] | None:
 
 
 def ensure_models(models_dir: Path) -> dict[str, Path]:
-    from appliance.cli import ensure_demo_model
+    from appliance.cli.serve import ensure_demo_model
     from appliance.model.quantize import quantize_checkpoint
 
     int8 = ensure_demo_model(models_dir)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -43,9 +43,11 @@ from appliance.collectors.procs import replica_cores, replica_device
 from appliance.collectors.settings import CollectorSettings
 from appliance.model.shape import ShapeError, read_config, shape_from_config
 
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
+
 log = logging.getLogger(__name__)
 
-KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 SAFETENSORS_INT8 = {"I8", "U8", "F8_E4M3", "F8_E5M2"}
 
 # Dense peak tensor throughput per GPU from NVIDIA datasheets: (name fragment, BF16 FLOP/s, INT8 OP/s). Longer
@@ -138,15 +140,11 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int | None = None) -
     return per_token or None
 
 
-def kv_capacity_bytes(replica: Any, facts: ModelFacts | None, settings: CollectorSettings) -> tuple[int | None, str]:
+def kv_capacity_bytes(replica: Replica, facts: ModelFacts | None, settings: CollectorSettings
+                      ) -> tuple[int | None, str]:
     """The replica's KV-cache capacity in bytes and where it came from (``kv_env``, ``kv_configured``)."""
-    env = getattr(getattr(replica, "spec", None), "env", None) or {}
-    space = env.get(KV_SPACE_ENV)
-    if space:
-        try:
-            return int(float(space) * 2**30), "kv_env"
-        except ValueError:
-            pass
+    if replica.kv_cache_space_bytes:
+        return replica.kv_cache_space_bytes, "kv_env"
     if settings.kv_cache_capacity_tokens and facts is not None and facts.kv_bytes_per_token:
         return settings.kv_cache_capacity_tokens * facts.kv_bytes_per_token, "kv_configured"
     return None, ""
@@ -209,7 +207,7 @@ class TokenRateWindows:
 class RooflineCollector(SafeCollector):
     name = "roofline"
 
-    def __init__(self, replicas: Callable[[], Sequence[Any]], router_load: Callable[[], dict[str, Any]],
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], router_load: Callable[[], dict[str, Any]],
                  settings: CollectorSettings, *, model_dir: Path | None, nvml: NvmlSource,
                  host_peaks: HostPeaks | None, health: CollectorHealth | None = None,
                  clock: Clock = time.monotonic) -> None:
@@ -306,14 +304,15 @@ class RooflineCollector(SafeCollector):
         self._rates.retain(names)
         return [peak_bw, peak_flops, step_bytes, mbu, mfu]
 
-    def _step_bytes(self, replica: Any, facts: ModelFacts, load: Any, sources: set[str]) -> float:
+    def _step_bytes(self, replica: Replica, facts: ModelFacts, load: Any, sources: set[str]) -> float:
         capacity, kv_source = kv_capacity_bytes(replica, facts, self._settings)
         if capacity is None or load.kv_cache_usage is None:
             return float(facts.weight_bytes)
         sources.add(kv_source)
         return facts.weight_bytes + load.kv_cache_usage * capacity
 
-    def _peaks(self, replica: Any, facts: ModelFacts | None, sources: set[str]) -> tuple[float | None, float | None]:
+    def _peaks(self, replica: Replica, facts: ModelFacts | None,
+               sources: set[str]) -> tuple[float | None, float | None]:
         """Peak bandwidth and FLOP/s of this replica's devices, and which source gave each."""
         configured_bw = self._settings.peak_memory_bandwidth_bytes_per_second
         configured_flops = self._settings.peak_flops
@@ -321,7 +320,7 @@ class RooflineCollector(SafeCollector):
         flops: float | None = None
         bw_source = flops_source = ""
         if replica_device(replica) == "cuda":
-            gpus = getattr(replica.spec.placement, "gpus", ()) or ()
+            gpus = replica.placement.gpus if replica.placement is not None else ()
             readings = {r.index: r for r in self._nvml.readings()}
             peaks = [readings[g].peak_bandwidth_bytes_per_second for g in gpus if g in readings]
             if peaks and all(peaks):

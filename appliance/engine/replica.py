@@ -1,28 +1,30 @@
 """One engine replica: a vLLM server process, its health, and its life cycle.
 
 A replica owns exactly one launcher process group (see ``appliance.engine.launch``). Its state is what the
-gateway routes on and what /admin and the collectors report.
+gateway routes on and what /admin and the collectors report; they see it through ``appliance.engine.contract``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.placement import Placement
 
 log = logging.getLogger(__name__)
+
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
@@ -32,16 +34,6 @@ async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
-
-
-class ReplicaState(str, enum.Enum):
-    STARTING = "starting"  # process spawned, /health not yet green
-    READY = "ready"  # serving; the gateway routes here
-    UNHEALTHY = "unhealthy"  # process alive but /health failing; not routed
-    DRAINING = "draining"  # alive, finishing in-flight requests; not routed
-    BACKOFF = "backoff"  # crashed; waiting before the next start
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 @dataclass
@@ -56,6 +48,7 @@ class ReplicaSpec:
     log_path: Path
     start_timeout_seconds: float
     stop_timeout_seconds: float
+    host: str = "127.0.0.1"  # where the gateway reaches the engine: its bind address unless that is a wildcard
 
     @property
     def name(self) -> str:
@@ -63,30 +56,14 @@ class ReplicaSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
-@dataclass
-class ReplicaStatus:
-    """What is known about a replica now; read by the router, /admin and the collectors."""
+class SupervisedReplica:
+    """Start, watch, restart and stop one engine process. Satisfies ``appliance.engine.contract.Replica``."""
 
-    state: ReplicaState = ReplicaState.STOPPED
-    pid: int | None = None
-    starts: int = 0
-    restarts: int = 0
-    crashes: int = 0
-    last_exit_code: int | None = None
-    last_start_time: float | None = None  # unix time
-    last_ready_time: float | None = None
-    load_seconds: float | None = None  # spawn to first green /health
-    outstanding: int = 0  # requests the gateway has in flight here
-    planned_restart: bool = False  # a maintenance restart: requests may wait for it instead of failing
-    hold_when_ready: bool = False  # maintenance: come back drained (to be warmed), not straight into routing
-    consecutive_crashes: int = field(default=0, repr=False)
-
-
-class Replica:
-    """Start, watch, restart and stop one engine process."""
+    restartable = True
+    drainable = True
 
     HEALTH_INTERVAL_SECONDS = 2.0
     HEALTH_FAILURES_UNHEALTHY = 3
@@ -108,6 +85,15 @@ class Replica:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def placement(self) -> Placement:
+        return self.spec.placement
+
+    @property
+    def kv_cache_space_bytes(self) -> int | None:
+        space = self.spec.env.get(KV_CACHE_SPACE_ENV)
+        return int(float(space) * 2**30) if space else None
 
     @property
     def routable(self) -> bool:

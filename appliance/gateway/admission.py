@@ -15,8 +15,9 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from appliance.gateway.errors import APIError
-from appliance.gateway.router import Outcome, Routable, Router
+from appliance.engine.contract import Replica
+from appliance.gateway.router import Outcome, Router
+from appliance.http.errors import APIError
 
 
 class AIMDLimit:
@@ -85,7 +86,7 @@ class Admission:
     def queue_length(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
-    async def acquire(self, exclude: frozenset[str] = frozenset()) -> Routable:
+    async def acquire(self, exclude: frozenset[str] = frozenset()) -> Replica:
         replica = self.router.try_acquire(exclude)
         if replica is not None:
             return replica
@@ -114,7 +115,7 @@ class Admission:
     def limit_of(self, name: str) -> int:
         return self.limits.limit_of(name)
 
-    def release(self, replica: Routable, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+    def release(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None = None) -> None:
         self.router.release(replica, outcome, ttft_seconds)
         if outcome in (Outcome.SUCCESS, Outcome.FAILURE):
             self.limits.on_sample(replica.name, ttft_seconds, failed=outcome is Outcome.FAILURE)

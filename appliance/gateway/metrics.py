@@ -8,13 +8,17 @@ Prometheus scrapes, by a custom collector, so it can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.engine.replica import ReplicaState
+from appliance.engine.contract import ReplicaState
+
+if TYPE_CHECKING:
+    from appliance.gateway.admission import Admission
+    from appliance.gateway.router import Router
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0)
@@ -77,13 +81,12 @@ class RequestMetrics:
 class FleetCollector(Collector):
     """Replica and admission state, read from the live objects at scrape time."""
 
-    def __init__(self, router, admission, replicas) -> None:
+    def __init__(self, router: Router, admission: Admission) -> None:
         self._router = router
         self._admission = admission
-        self._replicas = replicas
 
     def collect(self) -> Iterable[Metric]:
-        replicas = list(self._replicas())
+        replicas = list(self._router.replicas())
         state = GaugeMetricFamily("appliance_replica_state", "1 for the state each replica is in.",
                                   labels=["replica", "state"])
         outstanding = GaugeMetricFamily("appliance_replica_outstanding_requests",
@@ -96,17 +99,17 @@ class FleetCollector(Collector):
         ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
                                         labels=["replica"])
         for replica in replicas:
-            current = getattr(replica.status, "state", None)
+            current = replica.status.state
             for candidate in ReplicaState:
                 state.add_metric([replica.name, candidate.value], 1.0 if current is candidate else 0.0)
-            outstanding.add_metric([replica.name], replica.status.outstanding)
+            outstanding.add_metric([replica.name], self._router.in_flight(replica.name))
             limit.add_metric([replica.name], self._admission.limit_of(replica.name))
             health = self._router.health_of(replica.name)
             ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
             ejections.add_metric([replica.name], health.ejections)
         yield from (state, outstanding, limit, ejected, ejections)
         yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
-                                value=sum(r.status.outstanding for r in replicas))
+                                value=self._router.in_flight())
         yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
                                 value=self._admission.queue_length)
         rejected = CounterMetricFamily("appliance_admission_rejections",

@@ -19,11 +19,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 
+from appliance.engine.contract import Replica
 from appliance.gateway.admission import Admission
-from appliance.gateway.errors import APIError, error_body
 from appliance.gateway.metrics import COUNTED, RequestMetrics
-from appliance.gateway.router import Outcome, Routable
+from appliance.gateway.router import Outcome
 from appliance.gateway.tracing import RequestTrace
+from appliance.http.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class Upstream:
                     break
         raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
 
-    async def _admit(self, exchange: Exchange) -> Routable:
+    async def _admit(self, exchange: Exchange) -> Replica:
         span = exchange.trace.child("gateway.queue_wait")
         queued_at = time.monotonic()
         try:
@@ -123,7 +124,7 @@ class Upstream:
         exchange.trace.root.set_attribute("appliance.replica", replica.name)
         return replica
 
-    async def _send(self, replica: Routable, exchange: Exchange) -> Response:
+    async def _send(self, replica: Replica, exchange: Exchange) -> Response:
         assert self._session is not None, "Upstream.open() not called"
         span = exchange.trace.child("gateway.upstream", trace.SpanKind.CLIENT, **{"appliance.replica": replica.name})
         headers = exchange.trace.propagate(span, dict(exchange.headers))
@@ -152,7 +153,7 @@ class Upstream:
             )
         return await self._read_whole(upstream, replica, exchange, span)
 
-    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
                           span: trace.Span) -> Response:
         outcome = Outcome.ABORTED
         try:
@@ -173,7 +174,7 @@ class Upstream:
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers={"x-appliance-replica": replica.name})
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
                      span: trace.Span) -> AsyncIterator[bytes]:
         """Yield the engine's SSE bytes as they arrive; a client disconnect closes the upstream connection,
         which makes vLLM abort the request."""

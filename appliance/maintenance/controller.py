@@ -12,12 +12,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import aiohttp
 
-from appliance.gateway.errors import APIError
+from appliance.engine.contract import Replica
 from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.errors import MaintenanceBusy, NotSupervised, ReplicaNotFound
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import Outcome, RestartProcedure, RollingRestart
 
@@ -35,7 +35,7 @@ class ActionRecord:
 
 
 class MaintenanceController:
-    def __init__(self, replicas: Callable[[], Sequence[Any]], procedure: RestartProcedure, *, min_ready: int,
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
                  metrics: MaintenanceMetrics, annotator: Annotator | None = None,
                  is_hung: Callable[[str], bool] = lambda _name: False) -> None:
         self._replicas = replicas
@@ -68,30 +68,31 @@ class MaintenanceController:
     # -- actions ----------------------------------------------------------------------------------------------
 
     def start_rolling_restart(self, trigger: str, reason: str = "") -> asyncio.Task:
-        """Run a rolling restart in the background; APIError 409 if maintenance is already under way."""
+        """Run a rolling restart in the background; MaintenanceBusy if maintenance is already under way."""
         self._check_supervised(self._replicas())
         if self.busy:
-            raise APIError(409, "a restart is already in progress", code="maintenance_in_progress")
+            raise MaintenanceBusy("a restart is already in progress")
         self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=self.min_ready,
                                       on_replica=lambda r, o: self._replica_done(r, o, trigger))
         return self._spawn(self._rolling(trigger, reason), "rolling-restart")
 
     def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task:
-        """Drain, restart, warm and undrain one replica in the background; 404/409 as APIError."""
+        """Drain, restart, warm and undrain one replica in the background (ReplicaNotFound, MaintenanceBusy,
+        NotSupervised when it cannot)."""
         replica = self.replica(name)
         self._check_supervised([replica])
         if self.rolling is not None or name in self.restarting:
-            raise APIError(409, f"{name} is already being restarted", code="maintenance_in_progress")
+            raise MaintenanceBusy(f"{name} is already being restarted")
         self.restarting.add(name)
         return self._spawn(self._restart(replica, trigger, reason), f"restart-{name}")
 
-    def drain(self, name: str, trigger: str) -> Any:
+    def drain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
         replica.drain()
         self.record("drain", trigger, "ok", replica=name)
         return replica
 
-    def undrain(self, name: str, trigger: str) -> Any:
+    def undrain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
         replica.undrain()
         self.record("undrain", trigger, "ok", replica=name)
@@ -112,11 +113,14 @@ class MaintenanceController:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.annotator.flush()
 
-    def replica(self, name: str) -> Any:
+    def replicas(self) -> Sequence[Replica]:
+        return self._replicas()
+
+    def replica(self, name: str) -> Replica:
         for replica in self._replicas():
             if replica.name == name:
                 return replica
-        raise APIError(404, f"no replica named '{name}'", param="name", code="replica_not_found")
+        raise ReplicaNotFound(f"no replica named '{name}'")
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -134,7 +138,7 @@ class MaintenanceController:
         self.record("rolling_restart", trigger, outcome.result, detail=outcome.detail)
         return outcome
 
-    async def _restart(self, replica: Any, trigger: str, reason: str) -> Outcome:
+    async def _restart(self, replica: Replica, trigger: str, reason: str) -> Outcome:
         try:
             # A hung replica's requests will not finish: waiting out the drain timeout would only delay the fix.
             outcome = await self.procedure.run(replica, drain_seconds=0 if self.is_hung(replica.name) else None)
@@ -147,7 +151,7 @@ class MaintenanceController:
         self._replica_done(replica, Outcome(outcome.result, detail, outcome.restarted), trigger)
         return outcome
 
-    def _replica_done(self, replica: Any, outcome: Outcome, trigger: str) -> None:
+    def _replica_done(self, replica: Replica, outcome: Outcome, trigger: str) -> None:
         if outcome.result == "ok":
             self.last_restart[replica.name] = time.time()
         self.record("restart", trigger, outcome.result, replica=replica.name, detail=outcome.detail)
@@ -159,16 +163,16 @@ class MaintenanceController:
         return task
 
     @staticmethod
-    def _check_supervised(replicas: Sequence[Any]) -> None:
+    def _check_supervised(replicas: Sequence[Replica]) -> None:
         for replica in replicas:
-            if not hasattr(replica, "restart"):
-                raise APIError(409, f"{replica.name} is not supervised by this appliance", code="not_supervised")
+            if not replica.restartable:
+                raise NotSupervised(f"{replica.name} is not supervised by this appliance")
 
 
 def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float = 30.0):
     """One small completion straight to the replica (it is not routable yet); True on a 200."""
 
-    async def warm(replica: Any) -> bool:
+    async def warm(replica: Replica) -> bool:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as session, \

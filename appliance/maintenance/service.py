@@ -1,18 +1,19 @@
-"""Maintenance wired together for the gateway: ``build_maintenance`` makes every piece from the settings and
-the gateway's own objects; ``Maintenance`` starts and stops them with the app's lifespan."""
+"""Maintenance wired together: ``build_maintenance`` makes every piece from the settings and what it needs to
+know of the data path (requests in flight, the engines' load readings, the queue, the request counter), given
+as plain callables so that maintenance never depends on the gateway; ``Maintenance`` starts and stops them with
+the app's lifespan."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from appliance.collectors import engine_stats_dir
-from appliance.gateway.admission import Admission
-from appliance.gateway.router import Router
+from appliance.engine.contract import Replica
+from appliance.engine.load import EngineLoad
 from appliance.maintenance.annotations import Annotator
 from appliance.maintenance.controller import MaintenanceController, http_warmer
 from appliance.maintenance.memory import MemoryWatch, process_memory_reader
@@ -43,8 +44,18 @@ class Maintenance:
         return {**self.scheduler.status(), **self.controller.status()}
 
 
-def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Any]],
-                      router: Router, admission: Admission, requests_total: Callable[[], float],
+@dataclass(frozen=True)
+class DataPathView:
+    """What maintenance reads of the data path."""
+
+    in_flight: Callable[[str], int]  # requests in flight at a replica
+    loads: Callable[[], Mapping[str, EngineLoad]]  # the latest engine readings, by replica
+    queue_length: Callable[[], int]  # requests waiting in the gateway
+    requests_total: Callable[[], float]  # every request answered so far (a counter)
+
+
+def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Replica]],
+                      data_path: DataPathView,
                       warm: Warmer | None = None, annotator: Annotator | None = None,
                       memory: MemoryWatch | None = None) -> Maintenance:
     m = settings.maintenance
@@ -54,12 +65,13 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
     warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens)
     annotator = annotator or Annotator(m.grafana_url, m.grafana_token, m.grafana_token_file)
-    traffic = TrafficSampler(requests_total, lambda: admission.queue_length,
+    traffic = TrafficSampler(data_path.requests_total, data_path.queue_length,
                              lookback_seconds=m.traffic_lookback_seconds, max_request_rate=m.max_request_rate,
                              max_queue=m.max_queue)
-    progress = ProgressMonitor(lambda: [r.name for r in replicas()], lambda: router.load,
+    progress = ProgressMonitor(lambda: [r.name for r in replicas()], data_path.loads,
                                hung_after_seconds=m.hung_after_seconds)
-    controller = MaintenanceController(replicas, RestartProcedure(timeouts, warm), min_ready=m.min_ready_replicas,
+    procedure = RestartProcedure(timeouts, warm, in_flight=data_path.in_flight)
+    controller = MaintenanceController(replicas, procedure, min_ready=m.min_ready_replicas,
                                        metrics=metrics, annotator=annotator, is_hung=progress.is_hung)
     if memory is None and settings.collectors.enabled:
         memory = MemoryWatch(process_memory_reader(replicas, engine_stats_dir(settings.collectors, settings.state_dir),

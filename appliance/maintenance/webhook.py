@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.gateway.errors import APIError
 from appliance.maintenance.controller import MaintenanceController
+from appliance.maintenance.errors import MaintenanceError
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.settings import AlertAction
 
@@ -115,7 +115,7 @@ class AlertActions:
             return "ok", "rolling restart scheduled for the next low-traffic moment"
         try:
             self.controller.start_restart(target, "alert", reason=alertname)
-        except APIError as exc:
+        except MaintenanceError as exc:
             self.controller.record("restart", "alert", "skipped", replica=target, detail=exc.message)
             return "skipped", exc.message
         return "ok", f"restart of {target} started"

@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from appliance.collectors.base import CollectorHealth, HealthCollector
 from appliance.collectors.engine import EngineCollector
-from appliance.gateway.router import EngineLoad
-from tests.collectors.support import FakeClock, cpu_replica, label_sets, scrape, value
+from appliance.engine.load import EngineLoad
+from tests.collectors.support import FakeClock, FakeReplica, cpu_replica, label_sets, scrape, value
 
 
 def build(replicas: list, loads: dict[str, EngineLoad], clock: FakeClock) -> CollectorRegistry:
@@ -58,9 +58,8 @@ def test_life_cycle() -> None:
     assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="replica-0") is None
 
 
-def test_replicas_without_status_are_skipped() -> None:
-    class Bare:
-        name = "stub"
-
-    families = scrape(build([Bare()], {}, FakeClock()))
-    assert families["appliance_replica_starts"].samples == []
+def test_a_replica_the_appliance_does_not_run_has_zero_counters_and_no_load_time() -> None:
+    families = scrape(build([FakeReplica("external-0")], {}, FakeClock()))
+    assert value(families, "appliance_replica_starts", replica="external-0") == 0
+    assert value(families, "appliance_replica_model_load_seconds", replica="external-0") is None
+    assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="external-0") is None

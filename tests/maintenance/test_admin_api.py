@@ -82,11 +82,11 @@ def test_replicas_this_appliance_does_not_run_cannot_be_restarted():
     from fastapi.testclient import TestClient
     from prometheus_client import CollectorRegistry
 
-    from appliance.gateway.app import create_app
+    from appliance.app import create_app
     from appliance.settings import Settings
-    from tests.gateway.stub import StubReplica
+    from tests.doubles import FakeReplica
 
-    external = [StubReplica("external-0", "http://127.0.0.1:9")]  # no restart(): like ExternalReplica
+    external = [FakeReplica("external-0", "http://127.0.0.1:9")]  # no restart(): like ExternalReplica
     settings = Settings(admin_token="t0ken", collectors={"enabled": False})
     with TestClient(create_app(settings, replicas=lambda: external, registry=CollectorRegistry())) as client:
         for path in ("/admin/rolling-restart", "/admin/replicas/external-0/restart"):

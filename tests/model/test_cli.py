@@ -1,29 +1,26 @@
-"""``appliance quantize`` through argparse: --scheme, the JSON summary, one-line refusals."""
+"""``appliance quantize`` through the appliance's command line: --scheme, the JSON summary, one-line refusals."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from appliance.model.cli import SCHEMES, register
+from appliance.cli import main
+from appliance.cli.model import SCHEME_NAMES as CLI_SCHEMES
 from appliance.model.precision import SCHEME_NAMES
 
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="appliance")
-    register(parser.add_subparsers(title="commands"))
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
+        return main(argv)
+    except SystemExit as exc:  # argparse
         return int(exc.code or 0)
-    return int(args.handler(args))
 
 
 def test_scheme_names_agree() -> None:
-    assert SCHEMES == SCHEME_NAMES
+    assert CLI_SCHEMES == SCHEME_NAMES
 
 
 def test_quantize_fp8_prints_the_summary(demo_model_dir: Path, tmp_path: Path,

@@ -7,9 +7,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from appliance.gateway.auth import require_api_key
-from appliance.gateway.errors import APIError
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from appliance.http.auth import require_api_key
+from appliance.http.errors import APIError
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["openai"])
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -63,9 +63,11 @@ def error_response(
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 
-def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None) -> None:
+def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None,
+                           translate: Mapping[type[Exception], Callable[[Exception], APIError]] | None = None) -> None:
     """Route every exception path (ours, FastAPI's validation, Starlette's 404/405) to OpenAI's shape;
-    ``on_error(path, scope, status)`` sees each one (the request counter)."""
+    ``on_error(path, scope, status)`` sees each one (the request counter). ``translate`` turns other packages'
+    domain errors (maintenance's refusals) into APIErrors, so they take the same path."""
 
     def answer(request: Request, status: int, message: str, **kwargs) -> JSONResponse:
         if on_error is not None:
@@ -75,6 +77,12 @@ def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None) -> N
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return answer(request, exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+
+    for error_type, to_api_error in (translate or {}).items():
+        async def _translated(request: Request, exc: Exception, to_api_error=to_api_error) -> JSONResponse:
+            return await _api_error(request, to_api_error(exc))
+
+        app.add_exception_handler(error_type, _translated)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

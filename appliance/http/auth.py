@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from appliance.gateway.errors import APIError
+from appliance.http.errors import APIError
 
 
 def _bearer(request: Request) -> str | None:

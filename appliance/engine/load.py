@@ -1,5 +1,8 @@
-"""Reads each engine's own /metrics on a short interval: KV-cache usage and queue length for routing, and a
-probe for ejected replicas whose ejection period is over.
+"""An engine's load as its own /metrics page tells it, read on a short interval.
+
+The readings feed routing (KV-cache usage, queue length), hung-replica detection (running requests and the
+generated-token counter) and the collectors. The poller only reads and reports; what a reading means is decided
+by whoever receives it (the router also uses a reading as the probe that returns an ejected replica).
 
 Only a handful of lines of vLLM's page are needed, so they are picked out by name rather than by parsing the
 whole exposition (which is ~100 KB per engine and would cost far more CPU every second).
@@ -9,14 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
-from appliance.gateway.router import EngineLoad, Router
+from appliance.engine.contract import Replica
 
 log = logging.getLogger(__name__)
+
+
+
+@dataclass
+class EngineLoad:
+    """A reading of an engine's own metrics."""
+
+    kv_cache_usage: float | None = None  # 0..1
+    waiting: float | None = None
+    running: float | None = None
+    prompt_tokens_total: float | None = None  # counters: rates are taken by whoever needs them
+    generation_tokens_total: float | None = None
+    read_at: float = -math.inf  # monotonic
+
 
 WANTED = {
     b"vllm:kv_cache_usage_perc": "kv_cache_usage",
@@ -44,10 +63,19 @@ def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
     return EngineLoad(read_at=read_at, **values)
 
 
+Reading = Callable[[str, "EngineLoad | None"], None]
+
+
 class EngineLoadPoller:
-    def __init__(self, router: Router, interval_seconds: float, on_poll: Callable[[], None] = lambda: None) -> None:
-        self.router = router
-        self.on_poll = on_poll  # e.g. admission's dispatch: a replica that just became ready takes queued work
+    """Reads ``targets()``' /metrics every ``interval_seconds`` and reports each result, ``None`` when the page
+    could not be read, to ``on_reading``; then calls ``on_poll`` (e.g. admission's dispatch: a replica that just
+    became ready takes queued work)."""
+
+    def __init__(self, targets: Callable[[], Sequence[Replica]], on_reading: Reading, interval_seconds: float,
+                 on_poll: Callable[[], None] = lambda: None) -> None:
+        self.targets = targets
+        self.on_reading = on_reading
+        self.on_poll = on_poll
         self.interval = interval_seconds
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -74,14 +102,10 @@ class EngineLoadPoller:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def poll_once(self) -> None:
-        due = set(self.router.due_for_probe())
-        targets = [r for r in self.router.replicas() if r.routable or r.name in due]
+        targets = list(self.targets())
         results = await asyncio.gather(*(self._read(r.url) for r in targets))
         for replica, load in zip(targets, results, strict=True):
-            if load is not None:
-                self.router.update_load(replica.name, load)
-            if replica.name in due:
-                self.router.probe_result(replica.name, ok=load is not None)
+            self.on_reading(replica.name, load)
 
     async def _read(self, url: str) -> EngineLoad | None:
         assert self._session is not None
