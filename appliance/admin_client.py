@@ -81,9 +81,23 @@ def format_status(status: dict) -> str:
     if any(r["ejected"] for r in status["replicas"]):
         lines.append("* ejected from routing: " + "; ".join(
             f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
+    lines += format_replica_errors(status["replicas"])
     if status.get("maintenance"):
         lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
+
+
+def format_replica_errors(replicas: list[dict]) -> list[str]:
+    """Replicas whose engine could not be started, or that said why they are not serving: the first thing an
+    operator needs when a replica stays out of routing (a spawn failure never reaches the engine's log)."""
+    lines = []
+    for r in replicas:
+        failures = r.get("spawn_failures") or 0
+        if failures:
+            lines.append(f"! {r['name']}: {failures} failed spawn(s); last error: {r.get('last_error') or '-'}")
+        elif r.get("last_error") and r["state"] != "ready":
+            lines.append(f"! {r['name']}: {r['last_error']}")
+    return lines
 
 
 def format_maintenance(m: dict) -> list[str]:

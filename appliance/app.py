@@ -21,12 +21,13 @@ from prometheus_client import CollectorRegistry
 
 from appliance import status
 from appliance.collectors import register_collectors
-from appliance.engine.contract import Fleet, Replica
+from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway.core import Gateway, build_gateway
 from appliance.gateway.limits import RequestIntake
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
+from appliance.maintenance.reload import InvalidConfig
 from appliance.maintenance.service import DataPathView, build_maintenance
 from appliance.maintenance.traffic import counter_total
 from appliance.settings import Settings
@@ -54,7 +55,8 @@ def create_app(
     router = gateway.router
     maintenance = build_maintenance(settings, registry=registry, replicas=replicas, data_path=DataPathView(
         in_flight=router.in_flight, loads=router.loads, queue_length=lambda: gateway.admission.queue_length,
-        requests_total=counter_total(gateway.metrics.requests)))
+        requests_total=counter_total(gateway.metrics.requests)),
+        stage=fleet.stage if isinstance(fleet, Reconfigurable) else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -98,11 +100,13 @@ def create_app(
 
 
 def maintenance_api_error(exc: Exception) -> APIError:
-    """Maintenance refusals as HTTP: the one place their status codes are decided (404 no such replica, 409
-    busy or not ours to restart)."""
+    """Maintenance refusals as HTTP: the one place their status codes are decided (404 no such replica, 400 a
+    reloaded configuration that does not validate, 409 busy, not ours to restart, below min_ready, cannot roll)."""
     assert isinstance(exc, MaintenanceError)
     if isinstance(exc, ReplicaNotFound):
         return APIError(404, exc.message, param="name", code=exc.code)
+    if isinstance(exc, InvalidConfig):
+        return APIError(400, exc.message, code=exc.code)
     return APIError(409, exc.message, code=exc.code)
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -85,10 +86,71 @@ class EngineSettings(BaseModel):
         return value
 
 
+ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix"]
+
+
+class ScorerWeights(BaseModel):
+    """Weight of each scorer in the weighted sum (0 turns a scorer off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    outstanding: float = Field(1.0, ge=0, description="Requests the gateway has in flight at the replica (exact).")
+    kv_cache: float = Field(0.0, ge=0, description="Engine KV-cache usage (vllm:kv_cache_usage_perc), if fresh.")
+    queue: float = Field(0.0, ge=0, description="Engine queue (vllm:num_requests_waiting), if fresh.")
+    prefix: float = Field(1.0, ge=0, description="Share of the prompt's prefix recently sent to the replica.")
+
+
+class PrefixScorerSettings(BaseModel):
+    """The approximate prefix-affinity index: chained hashes of fixed-size character blocks of each prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_chars: int = Field(64, ge=8, le=65536, description="Characters per hashed prompt block (~16 tokens).")
+    index_bytes: int = Field(
+        64 * 2**20, ge=2**16, description="Memory budget of the prefix index in bytes; least recently used blocks "
+        "are evicted beyond it."
+    )
+    load_factor: float = Field(
+        1.25, ge=1.0, description="Bounded load: affinity yields when the replica would hold more than this "
+        "multiple of the mean in-flight requests (rounded up)."
+    )
+
+
+class RoutingScorerSettings(BaseModel):
+    """How the router picks among the replicas the filters left: weighted scorers, or round robin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["weighted", "round_robin"] = Field(
+        "weighted", description="weighted: highest weighted score wins; round_robin: rotate (benchmark baseline)."
+    )
+    weights: ScorerWeights = Field(default_factory=ScorerWeights)
+    tie_breakers: Annotated[list[ScorerName], NoDecode] = Field(
+        default_factory=lambda: ["kv_cache", "queue"],
+        description="Scorers that order equal weighted totals, in turn; then the lower replica index.",
+    )
+    prefix: PrefixScorerSettings = Field(default_factory=PrefixScorerSettings)
+
+    @field_validator("tie_breakers", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _usable(self) -> RoutingScorerSettings:
+        if len(set(self.tie_breakers)) != len(self.tie_breakers):
+            raise ValueError("tie_breakers lists a scorer twice")
+        if self.policy == "weighted" and not any(self.weights.model_dump().values()):
+            raise ValueError("every scorer weight is 0: give at least one a positive weight")
+        return self
+
+
 class RoutingSettings(BaseModel):
     """Passive outlier ejection: replicas that fail or lag are taken out of routing for a backoff period."""
 
     model_config = ConfigDict(extra="forbid")
+
+    scorers: RoutingScorerSettings = Field(default_factory=RoutingScorerSettings)
 
     eject_consecutive_failures: int = Field(
         3, ge=1, description="Upstream failures in a row (connect errors, 5xx, timeouts) that eject a replica."
@@ -220,6 +282,13 @@ class Settings(BaseSettings):
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
+    # reads again. None for settings built in code.
+    _source: SettingsSource | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> SettingsSource | None:
+        return self._source
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
@@ -260,6 +329,17 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+@dataclass(frozen=True)
+class SettingsSource:
+    """The configuration file and explicit overrides settings were loaded from; the environment is re-read."""
+
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Settings:
+        return load_settings(self.config_file, **self.overrides)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings from an optional YAML file and the environment; raise ConfigError on bad input."""
     if config_file is not None:
@@ -272,6 +352,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError
         raise ConfigError(_describe(exc)) from exc
+    loaded._source = SettingsSource(config_file, dict(overrides))
     return loaded
 
 

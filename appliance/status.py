@@ -59,6 +59,8 @@ class FleetStatus:
             "engine_running": load.running if load else None,
             "restarts": status.restarts,
             "crashes": status.crashes,
+            "spawn_failures": status.spawn_failures,
+            "last_error": status.last_error,
             "model_load_seconds": status.load_seconds,
             "last_start_time": status.last_start_time,
             "starts": status.starts,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import stat
 
 from appliance import admin_client
+from appliance.admin_token import ensure_admin_token
 from appliance.cli import main
-from appliance.cli.serve import ensure_admin_token
 
 
 def test_up_generates_one_private_admin_token_and_keeps_it(tmp_path) -> None:

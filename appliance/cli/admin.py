@@ -26,6 +26,13 @@ def register(sub: Any) -> None:
     p.add_argument("replica", nargs="?", help="e.g. replica-0")
     p.add_argument("--rolling", action="store_true", help="restart every replica, one at a time (a rolling restart)")
 
+    p = add_command(sub, "reload", "re-read the configuration given at start; roll replicas onto new engine settings",
+                    cmd_reload, description="Re-reads the configuration file and environment the appliance was "
+                    "started with, validates them, and restarts the replicas one at a time onto the new engine.* "
+                    "settings. Changes that cannot roll (ports, host, replica count, model, gateway settings) are "
+                    "refused with the keys listed; nothing changes then.")
+    _admin_flags(p)
+
 
 def _admin_flags(p: argparse.ArgumentParser) -> None:
     from appliance.admin_client import DEFAULT_URL, TOKEN_ENV
@@ -36,11 +43,11 @@ def _admin_flags(p: argparse.ArgumentParser) -> None:
 
 def _call(url: str, method: str, path: str) -> dict:
     """One admin call; its failures are one clear line on stderr and exit code 1."""
-    from appliance.admin_client import AdminError, call
+    from appliance import admin_client
 
     try:
-        return call(url, method, path)
-    except AdminError as exc:
+        return admin_client.call(url, method, path)
+    except admin_client.AdminError as exc:
         raise CLIError(str(exc)) from None
 
 
@@ -66,4 +73,14 @@ def cmd_restart(args: argparse.Namespace) -> int:
     result = _call(args.url, "POST", path)
     what = "rolling restart of " + ", ".join(result.get("replicas", [])) if args.rolling else args.replica
     print(f"{what}: accepted (each replica drains first); follow with `appliance status`")
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    result = _call(args.url, "POST", "/admin/reload")
+    if not result.get("changed"):
+        print("reload: the configuration has no changes; nothing to do")
+    else:
+        print(f"reload: {', '.join(result['changed'])} changed; rolling restart accepted (one replica at a time); "
+              "follow with `appliance status`")
     return 0

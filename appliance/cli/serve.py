@@ -9,7 +9,9 @@ from typing import Any
 
 import yaml
 
+from appliance.admin_token import ensure_admin_token
 from appliance.cli.common import add_command, load, setup_logging
+from appliance.config_view import config_dump, redact_argv
 from appliance.settings import ConfigError
 
 
@@ -30,7 +32,8 @@ def register(sub: Any) -> None:
     p.add_argument("--shared", action="store_true", help="make every file world-readable (other containers' users)")
 
     p = add_command(sub, "config", "print the effective configuration as YAML", cmd_config, config=True)
-    p.add_argument("--show-secrets", action="store_true", help="print api_keys and admin_token in clear")
+    p.add_argument("--show-secrets", action="store_true",
+                   help="print api_keys, tokens and credentials in URLs and engine flags in clear")
     p.add_argument("--engines", action="store_true", help="also print each replica's engine command line")
 
 
@@ -90,37 +93,16 @@ def cmd_monitoring_config(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     settings = load(args)
-    data = settings.model_dump(mode="json")
-    if not args.show_secrets:
-        data["api_keys"] = ["<redacted>"] * len(settings.api_keys)
-        data["admin_token"] = "<redacted>" if settings.admin_token else None
-        data["maintenance"]["grafana_token"] = "<redacted>" if settings.maintenance.grafana_token else None
-    print(yaml.safe_dump(data, sort_keys=False), end="")
+    print(yaml.safe_dump(config_dump(settings, show_secrets=args.show_secrets), sort_keys=False), end="")
     if args.engines and settings.model is not None:
         from appliance.engine.supervisor import build_specs
         from appliance.serve import engine_extra_env
 
         for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
             env = " ".join(f"{k}={v}" for k, v in spec.env.items())
-            print(f"# {spec.name}: {env} {' '.join(spec.command)}")
+            command = spec.command if args.show_secrets else redact_argv(spec.command)
+            print(f"# {spec.name}: {env} {' '.join(command)}")
     return 0
-
-
-def ensure_admin_token(state_dir: Path) -> str:
-    """The embedded default's admin token: generated once into the state dir (owner-only), so that the local
-    stack's operator commands and Alertmanager's webhook work without setting one up."""
-    import secrets
-
-    from appliance.admin_client import TOKEN_FILE
-
-    path = state_dir / TOKEN_FILE
-    if path.is_file() and (token := path.read_text().strip()):
-        return token
-    from appliance.files import atomic_write_text
-
-    token = secrets.token_hex(16)
-    atomic_write_text(path, token + "\n")  # owner-only from its first byte: no stale 0644 temporary to reuse
-    return token
 
 
 def ensure_demo_model(models_dir: Path) -> Path:

@@ -85,6 +85,9 @@ def _lifecycle_families(replicas: list[Replica]) -> list[Metric]:
                                    "maintenance (drain + restart).", labels=["replica"])
     crashes = CounterMetricFamily("appliance_replica_crashes", "Times the replica's engine exited without being "
                                   "asked to.", labels=["replica"])
+    spawn_failures = CounterMetricFamily("appliance_replica_spawn_failures", "Times the replica's engine process "
+                                         "could not even be started (ENOENT, ENOMEM, ENOSPC on its log...); the "
+                                         "supervisor retries with backoff.", labels=["replica"])
     load = GaugeMetricFamily("appliance_replica_model_load_seconds", "Seconds from spawning the replica's engine to "
                              "its first healthy /health at its latest start (model load + warm-up).",
                              labels=["replica"])
@@ -95,8 +98,9 @@ def _lifecycle_families(replicas: list[Replica]) -> list[Metric]:
         starts.add_metric([name], status.starts)
         restarts.add_metric([name], status.restarts)
         crashes.add_metric([name], status.crashes)
+        spawn_failures.add_metric([name], status.spawn_failures)
         if status.load_seconds is not None:
             load.add_metric([name], status.load_seconds)
         if status.starts > 1 and status.last_start_time is not None:
             restarted.add_metric([name], status.last_start_time)
-    return [starts, restarts, crashes, load, restarted]
+    return [starts, restarts, crashes, spawn_failures, load, restarted]

@@ -13,9 +13,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from appliance.engine.placement import Placement
+
+if TYPE_CHECKING:
+    from appliance.settings import Settings
 
 
 class ReplicaState(str, enum.Enum):
@@ -84,3 +87,13 @@ class Fleet(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Reconfigurable(Protocol):
+    """A fleet that can rebuild its replicas' engine command lines from new settings (``appliance reload``)."""
+
+    def stage(self, settings: Settings) -> None:
+        """Build every replica's engine command and environment from ``settings``; each replica uses them from
+        its next start on (the rolling restart that follows, or a crash restart), never mid-life."""
+        ...

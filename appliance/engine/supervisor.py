@@ -85,5 +85,16 @@ class Supervisor:
             await self._session.close()
             self._session = None
 
+    def stage(self, settings: Settings) -> None:
+        """``Reconfigurable``: new specs from ``settings`` for every replica, used from its next start on. Ports,
+        placements and the replica count must not change (the reload refuses those before it gets here)."""
+        if settings.model is None:
+            raise ValueError("no model configured")
+        specs = build_specs(settings, settings.model)
+        if [s.port for s in specs] != [r.spec.port for r in self.replicas]:
+            raise ValueError("a reload cannot change the replicas' ports or count")
+        for replica, spec in zip(self.replicas, specs, strict=True):
+            replica.stage(spec)
+
     def ready(self) -> list[SupervisedReplica]:
         return [r for r in self.replicas if r.status.state is ReplicaState.READY]

@@ -51,7 +51,7 @@ class Gateway:
 def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,
                   span_exporter: SpanExporter | None = None) -> Gateway:
     limits = ConcurrencyLimits(_limit_factory(settings))
-    router = Router(replicas, settings.routing, limit_for=limits.limit_of)
+    router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
     admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
                           else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds)
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)

@@ -19,6 +19,7 @@ from appliance.engine.contract import ReplicaState
 if TYPE_CHECKING:
     from appliance.gateway.admission import Admission
     from appliance.gateway.router import Router
+    from appliance.gateway.routing.scorers import PrefixScorer
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0)
@@ -117,3 +118,51 @@ class FleetCollector(Collector):
         for reason, count in self._admission.rejected.items():
             rejected.add_metric([reason], count)
         yield rejected
+
+
+ROUTING_DURATION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RoutingMetrics:
+    """How the router decides: its cost, which scorer decided, how much prefix matched, the prefix index's size.
+
+    Labels are bounded by construction: ``policy`` is one of two names, ``decided_by`` one of
+    ``appliance.gateway.routing.DECIDERS``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram("appliance_routing_duration_seconds",
+                                  "Time the router took to choose a replica for one request (filters, scorers, "
+                                  "prompt hashing, index update).", buckets=ROUTING_DURATION_BUCKETS,
+                                  registry=registry)
+        self.decisions = Counter("appliance_routing_decisions", "Routing decisions, by policy and by the scorer "
+                                 "that separated the chosen replica from the runner-up (tie_*: a tie-breaker; "
+                                 "index: nothing did; single: one candidate).", ["policy", "decided_by"],
+                                 registry=registry)
+        self.prefix_match = Histogram("appliance_routing_prefix_match_ratio",
+                                      "Share of the prompt whose prefix was recently sent to the chosen replica.",
+                                      buckets=RATIO_BUCKETS, registry=registry)
+
+
+class PrefixIndexCollector(Collector):
+    """The prefix index's size and churn, read at scrape time from the live policy."""
+
+    def __init__(self, prefix: PrefixScorer) -> None:
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        index = self._prefix.index
+        yield GaugeMetricFamily("appliance_routing_prefix_index_entries",
+                                "Prompt blocks (per replica) in the prefix-affinity index.", value=len(index))
+        yield GaugeMetricFamily("appliance_routing_prefix_index_bytes",
+                                "Accounted memory of the prefix-affinity index (bounded by "
+                                "routing.scorers.prefix.index_bytes).", value=index.bytes)
+        yield CounterMetricFamily("appliance_routing_prefix_index_evictions",
+                                  "Blocks evicted from the prefix-affinity index to stay within its budget.",
+                                  value=index.evictions)
+        yield CounterMetricFamily("appliance_routing_prefix_yields",
+                                  "Decisions where a replica holding the prefix was passed over for its load "
+                                  "(bounded load).", value=self._prefix.yields)
+        yield CounterMetricFamily("appliance_routing_prefix_forgotten",
+                                  "Times a replica's prefix entries were dropped because it restarted or lost "
+                                  "its engine.", value=self._prefix.forgotten)

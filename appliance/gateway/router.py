@@ -1,10 +1,12 @@
-"""Which replica gets the next request.
+"""Which replica gets the next request, and the gateway's bookkeeping of what it sent where.
 
-Policy: among ready, non-ejected replicas under their concurrency limit, the one with the fewest outstanding
-requests; ties go to the lower KV-cache usage, then the shorter engine queue (both read from each engine's
-/metrics; stale readings count as unknown), then the lower index. Outstanding counts are the gateway's own:
-exact, no polling lag. The router keeps that bookkeeping itself (a replica does not know what the gateway sent
-it); ejection is ``appliance.gateway.ejection``.
+Routing is a pipeline (``appliance.gateway.routing``): filters (routable, not already tried, not ejected, under
+its concurrency limit), then a policy: weighted scorers (in-flight requests, KV-cache usage, engine queue, prefix
+affinity) or round robin, from ``routing.scorers``. The defaults choose as the older fixed policy did (fewest
+outstanding, then lower KV usage, then shorter queue, then lower index) unless a replica was recently sent the
+same prompt prefix. Outstanding counts are the gateway's own: exact, no polling lag. Engine readings count as
+unknown when stale, or when they contradict those counts (the engine says idle while the gateway has had a
+request in flight there since before the reading). Ejection is ``appliance.gateway.ejection``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
 
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
 from appliance.gateway.ejection import Ejector, ReplicaHealth
+from appliance.gateway.metrics import PrefixIndexCollector, RoutingMetrics
+from appliance.gateway.routing import RoutingRequest, build_policy
+from appliance.gateway.routing.filters import ELIGIBLE, WITH_ROOM, passing
 from appliance.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,7 @@ class Router:
         *,
         limit_for: Callable[[str], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._replicas = replicas
         self.routing = routing or RoutingSettings()
@@ -45,6 +53,12 @@ class Router:
         self.ejector = Ejector(self.routing, clock)
         self.outstanding: dict[str, int] = {}  # requests in flight per replica, as the gateway sent them
         self.load: dict[str, EngineLoad] = {}
+        self._busy_since: dict[str, float] = {}  # when each replica's in-flight count last rose from 0
+        self.policy = build_policy(self.routing.scorers)
+        registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = RoutingMetrics(registry)
+        if self.policy.prefix is not None:
+            registry.register(PrefixIndexCollector(self.policy.prefix))
 
     # -- views --------------------------------------------------------------------------------------------------
 
@@ -63,9 +77,8 @@ class Router:
     def loads(self) -> Mapping[str, EngineLoad]:
         return self.load
 
-    def eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Replica]:
-        return [r for r in self._replicas()
-                if r.routable and r.name not in exclude and not self.ejector.is_ejected(r.name)]
+    def eligible(self, exclude: Collection[str] = frozenset()) -> list[Replica]:
+        return passing(self._replicas(), self, exclude, ELIGIBLE)
 
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return bool(self.eligible(exclude))
@@ -76,14 +89,32 @@ class Router:
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def try_acquire(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
-        """The best replica with room under its limit, its outstanding count already taken; or None."""
-        candidates = [r for r in self.eligible(exclude) if self.in_flight(r.name) < self._limit_for(r.name)]
+    def try_acquire(self, exclude: Collection[str] = frozenset(),
+                    request: RoutingRequest | None = None) -> Replica | None:
+        """The best replica with room under its limit, its outstanding count already taken; or None.
+        ``request`` carries the prompt for prefix affinity (None: route by load alone); its ``decision`` is set."""
+        started = time.perf_counter()
+        replicas = self._replicas()
+        self.policy.observe(replicas)
+        candidates = passing(replicas, self, exclude, WITH_ROOM)
         if not candidates:
             return None
-        chosen = min(candidates, key=self._rank)
-        self.outstanding[chosen.name] = self.in_flight(chosen.name) + 1
+        decision = self.policy.choose(candidates, self, request)
+        chosen = next(r for r in candidates if r.name == decision.replica)
+        self._take(chosen.name)
+        self.metrics.duration.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(self.policy.name, decision.decided_by).inc()
+        if decision.prefix_match is not None and request is not None and request.prompt:
+            self.metrics.prefix_match.observe(decision.prefix_match)
+        if request is not None:
+            request.decision = decision
         return chosen
+
+    def _take(self, name: str) -> None:
+        count = self.in_flight(name)
+        if count == 0:
+            self._busy_since[name] = self._clock()
+        self.outstanding[name] = count + 1
 
     def release(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None = None) -> None:
         count = self.in_flight(replica.name)
@@ -91,6 +122,8 @@ class Router:
             log.error("release of %s with no request outstanding (%s)", replica.name, outcome.value)
         else:
             self.outstanding[replica.name] = count - 1
+            if count == 1:
+                self._busy_since.pop(replica.name, None)
         if outcome is Outcome.FAILURE:
             self.ejector.failure(replica.name)
         elif outcome is Outcome.SUCCESS:
@@ -122,15 +155,27 @@ class Router:
         if name in self.ejector.due_for_probe():
             self.ejector.probe_result(name, ok=load is not None)
 
-    def _fresh_load(self, name: str) -> EngineLoad:
+    # -- the view filters and scorers read (appliance.gateway.routing.view.RoutingView) -------------------------
+
+    def limit_of(self, name: str) -> int:
+        return self._limit_for(name)
+
+    def is_ejected(self, name: str) -> bool:
+        return self.ejector.is_ejected(name)
+
+    def engine_load(self, name: str) -> EngineLoad | None:
         load = self.load.get(name)
         if load is None or self._clock() - load.read_at > self.routing.metrics_stale_seconds:
-            return EngineLoad()
+            return None
+        if self._lagging(name, load):
+            return None
         return load
 
-    def _rank(self, replica: Replica) -> tuple:
-        load = self._fresh_load(replica.name)
-        # Unknown readings rank in the middle: neither preferred nor avoided.
-        kv = 0.5 if load.kv_cache_usage is None else load.kv_cache_usage
-        waiting = 0.0 if load.waiting is None else load.waiting
-        return (self.in_flight(replica.name), round(kv, 2), waiting)
+    def _lagging(self, name: str, load: EngineLoad) -> bool:
+        """The engine reports nothing running or waiting, yet the gateway has had a request in flight there since
+        well before the reading (more than one poll interval): its gauges lag (seen with vLLM's CPU build on two
+        loaded cores), so the rest of the reading cannot be trusted either."""
+        busy_since = self._busy_since.get(name)
+        if busy_since is None or load.read_at - busy_since <= self.routing.metrics_poll_seconds:
+            return False
+        return not (load.running or 0) and not (load.waiting or 0)

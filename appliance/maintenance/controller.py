@@ -1,6 +1,10 @@
 """The one place maintenance actions go through, whoever asks (admin API, schedule, alert webhook).
 
-It serialises them (one rolling restart at a time, never two restarts of one replica), and records each one the
+It serialises them (one rolling restart at a time, never two restarts of one replica, restarts asked for by
+alerts one at a time), and it is the one place that keeps routable capacity: no drain or restart, whoever asks,
+may leave fewer than ``min_ready_replicas`` replicas routable (capped at replicas - 1, so that a single-replica
+appliance can still be restarted: its requests wait in the queue meanwhile). Alerts can be forged by anyone who
+reaches Alertmanager, so this guard sits here, under every path, not in the webhook. It records each action the
 same way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown
 by /admin/status.
 """
@@ -17,7 +21,7 @@ import aiohttp
 
 from appliance.engine.contract import Replica
 from appliance.maintenance.annotations import Annotator
-from appliance.maintenance.errors import MaintenanceBusy, NotSupervised, ReplicaNotFound
+from appliance.maintenance.errors import BelowMinReady, MaintenanceBusy, NotSupervised, ReplicaNotFound
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import Outcome, RestartProcedure, RollingRestart
 
@@ -83,11 +87,16 @@ class MaintenanceController:
         self._check_supervised([replica])
         if self.rolling is not None or name in self.restarting:
             raise MaintenanceBusy(f"{name} is already being restarted")
+        if trigger == "alert" and self.restarting:
+            busy = ", ".join(sorted(self.restarting))
+            raise MaintenanceBusy(f"restarts asked for by alerts run one at a time; {busy} is being restarted")
+        self._check_capacity(replica, "restart")
         self.restarting.add(name)
         return self._spawn(self._restart(replica, trigger, reason), f"restart-{name}")
 
     def drain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
+        self._check_capacity(replica, "drain")
         replica.drain()
         self.record("drain", trigger, "ok", replica=name)
         return replica
@@ -161,6 +170,22 @@ class MaintenanceController:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def min_ready_for(self, replica_count: int) -> int:
+        """``min_ready_replicas``, capped at replicas - 1 (a single replica may still be restarted)."""
+        return max(0, min(self.min_ready, replica_count - 1))
+
+    def _check_capacity(self, replica: Replica, action: str) -> None:
+        """BelowMinReady if taking ``replica`` out of routing leaves fewer than the minimum routable. Replicas
+        being restarted count as gone already: their drain may not have run yet."""
+        if not replica.routable or replica.name in self.restarting:
+            return  # it is not routable capacity now: acting on it takes none away
+        replicas = list(self._replicas())
+        needed = self.min_ready_for(len(replicas))
+        left = sum(1 for r in replicas if r is not replica and r.routable and r.name not in self.restarting)
+        if left < needed:
+            raise BelowMinReady(f"{action} of {replica.name} refused: it would leave {left} routable replica(s) "
+                                f"and maintenance.min_ready_replicas needs {needed}")
 
     @staticmethod
     def _check_supervised(replicas: Sequence[Replica]) -> None:

@@ -22,3 +22,9 @@ class MaintenanceBusy(MaintenanceError):
 
 class NotSupervised(MaintenanceError):
     code = "not_supervised"
+
+
+class BelowMinReady(MaintenanceError):
+    """The action would leave fewer than ``maintenance.min_ready_replicas`` replicas routable."""
+
+    code = "min_ready_replicas"

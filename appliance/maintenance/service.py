@@ -19,6 +19,7 @@ from appliance.maintenance.controller import MaintenanceController, http_warmer
 from appliance.maintenance.memory import MemoryWatch, process_memory_reader
 from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 from appliance.maintenance.progress import ProgressMonitor
+from appliance.maintenance.reload import ConfigReloader
 from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, Warmer
 from appliance.maintenance.scheduler import MaintenanceScheduler
 from appliance.maintenance.traffic import TrafficSampler
@@ -32,6 +33,7 @@ class Maintenance:
     scheduler: MaintenanceScheduler
     alerts: AlertActions
     progress: ProgressMonitor
+    reloader: ConfigReloader
 
     def start(self) -> None:
         self.scheduler.start()
@@ -57,9 +59,11 @@ class DataPathView:
 def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Replica]],
                       data_path: DataPathView,
                       warm: Warmer | None = None, annotator: Annotator | None = None,
-                      memory: MemoryWatch | None = None) -> Maintenance:
+                      memory: MemoryWatch | None = None,
+                      stage: Callable[[Settings], None] | None = None) -> Maintenance:
+    """``stage``: the fleet's ``Reconfigurable.stage`` when it can rebuild engine commands (``appliance reload``)."""
     m = settings.maintenance
-    metrics = MaintenanceMetrics(registry)
+    metrics = MaintenanceMetrics(registry, known_alerts=m.alert_actions)
     timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
@@ -89,4 +93,4 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
         return upcoming.timestamp() if upcoming else None
 
     registry.register(MaintenanceCollector(progress.names, progress.is_hung, next_window))
-    return Maintenance(controller, scheduler, alerts, progress)
+    return Maintenance(controller, scheduler, alerts, progress, ConfigReloader(settings, controller, stage))

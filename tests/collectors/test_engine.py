@@ -52,6 +52,7 @@ def test_life_cycle() -> None:
     assert value(families, "appliance_replica_starts_total", replica="replica-0") == 1
     assert value(families, "appliance_replica_restarts_total", replica="replica-1") == 2
     assert value(families, "appliance_replica_crashes_total", replica="replica-1") == 1
+    assert value(families, "appliance_replica_spawn_failures_total", replica="replica-1") == 0
     assert value(families, "appliance_replica_model_load_seconds", replica="replica-1") == 35.5
     assert value(families, "appliance_replica_model_load_seconds", replica="replica-0") is None  # not loaded yet
     assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="replica-1") == 1.7e9
@@ -63,3 +64,10 @@ def test_a_replica_the_appliance_does_not_run_has_zero_counters_and_no_load_time
     assert value(families, "appliance_replica_starts", replica="external-0") == 0
     assert value(families, "appliance_replica_model_load_seconds", replica="external-0") is None
     assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="external-0") is None
+
+
+def test_spawn_failures_are_exported() -> None:
+    failing = cpu_replica("replica-0", None)
+    failing.status.spawn_failures = 4
+    families = scrape(build([failing], {}, FakeClock()))
+    assert value(families, "appliance_replica_spawn_failures_total", replica="replica-0") == 4

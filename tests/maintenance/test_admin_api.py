@@ -70,6 +70,21 @@ def test_format_status_shows_next_window_and_last_restart(make_app):
     assert "last action: rolling_restart (admin) ok" in text
 
 
+def test_status_shows_spawn_failures_and_their_last_error(make_app):
+    from appliance.admin_client import format_status
+
+    client, replicas, _registry = make_app()
+    replicas[1].drain()
+    replicas[1].status.spawn_failures = 3
+    replicas[1].status.last_error = "spawn failed: FileNotFoundError: [Errno 2] No such file or directory: 'vllm'"
+    status = client.get("/admin/status", headers=AUTH).json()
+    assert status["replicas"][1]["spawn_failures"] == 3
+    assert status["replicas"][1]["last_error"].startswith("spawn failed")
+    text = format_status(status)
+    assert "! replica-1: 3 failed spawn(s); last error: spawn failed: FileNotFoundError" in text
+    assert "replica-0:" not in text
+
+
 def test_cli_restart_needs_a_replica_or_rolling(capsys):
     from appliance.cli import main
 
