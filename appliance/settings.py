@@ -312,6 +312,14 @@ class Settings(BaseSettings):
             raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
         return self
 
+    @model_validator(mode="after")
+    def _collectors_know_the_kv_dtype(self) -> Settings:
+        """An fp8 KV cache stores one byte per element: the roofline's KV bytes per token follow the engine's
+        setting unless the operator set collectors.kv_cache_dtype_bytes."""
+        if self.engine.kv_cache_dtype != "auto" and self.collectors.kv_cache_dtype_bytes is None:
+            self.collectors = self.collectors.model_copy(update={"kv_cache_dtype_bytes": 1})
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
