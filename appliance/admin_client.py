@@ -65,7 +65,8 @@ def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
 
 
 def format_status(status: dict) -> str:
-    lines = [f"model {status['model']}  ready {status['ready_replicas']}/{len(status['replicas'])}  "
+    lines = [f"model {status['model']}  kv-cache {status.get('kv_cache_dtype', 'auto')}  "
+             f"ready {status['ready_replicas']}/{len(status['replicas'])}  "
              f"in-flight {status['in_flight']}  queued {status['queue_length']}"
              + ("  DRAINING" if status["draining"] else "")]
     header = f"{'replica':<12} {'state':<10} {'where':<10} {'out':>4} {'limit':>5} {'kv':>5} {'wait':>5} " \

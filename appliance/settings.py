@@ -54,6 +54,11 @@ class EngineSettings(BaseModel):
     quantization: str | None = Field(
         None, description="vLLM --quantization; unset lets vLLM read it from the checkpoint (compressed-tensors)."
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="vLLM --kv-cache-dtype: auto keeps K/V in the model's dtype; fp8 (= fp8_e4m3) and "
+        "fp8_e5m2 halve the KV cache's bytes per token, so the same space holds twice the tokens. Without "
+        "k/v scales in the checkpoint vLLM uses scale 1.0."
+    )
     shutdown_timeout_seconds: int = Field(
         10, ge=0, description="vLLM --shutdown-timeout: how long an engine finishes requests on SIGTERM."
     )
@@ -71,6 +76,13 @@ class EngineSettings(BaseModel):
         if isinstance(value, str):
             text = value.strip()
             return json.loads(text) if text.startswith("[") else shlex.split(text)
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_kv_cache_dtype_in_extra_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=", 1)[0] == "--kv-cache-dtype" for arg in value):
+            raise ValueError("set engine.kv_cache_dtype instead of passing --kv-cache-dtype in extra_args")
         return value
 
 
@@ -311,6 +323,14 @@ class Settings(BaseSettings):
             raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
         if self.role == "gateway" and self.engine_urls:
             raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        return self
+
+    @model_validator(mode="after")
+    def _collectors_know_the_kv_dtype(self) -> Settings:
+        """An fp8 KV cache stores one byte per element: the roofline's KV bytes per token follow the engine's
+        setting unless the operator set collectors.kv_cache_dtype_bytes."""
+        if self.engine.kv_cache_dtype != "auto" and self.collectors.kv_cache_dtype_bytes is None:
+            self.collectors = self.collectors.model_copy(update={"kv_cache_dtype_bytes": 1})
         return self
 
     @classmethod

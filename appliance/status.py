@@ -31,6 +31,7 @@ class FleetStatus:
         replicas = list(router.replicas())
         return {
             "model": self.settings.served_model_name,
+            "kv_cache_dtype": self.settings.engine.kv_cache_dtype,
             "draining": draining,
             "ready_replicas": sum(1 for r in replicas if r.routable),
             "queue_length": self.gateway.admission.queue_length,

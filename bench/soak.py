@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.cli import ensure_demo_model  # noqa: E402
+from appliance.cli.serve import ensure_demo_model  # noqa: E402
 from appliance.loadtest.bench import SLO, Target  # noqa: E402
 from appliance.loadtest.capacity import CapacityConfig, CapacitySearch  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402

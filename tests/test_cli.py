@@ -63,6 +63,9 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path, capsys, monkeypatch)
     assert main(["demo-model", "/proc/no/such/dir"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("appliance demo-model: ")
+    assert main(["demo-model", "/proc/demo"]) == 1  # the parent exists, the folder cannot be made in it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["appliance demo-model: cannot create /proc/demo: No such file or directory"]  # not the temp name
 
 
 def test_demo_model_refuses_a_negative_budget_and_names_the_flag_to_overwrite(tmp_path, capsys) -> None:

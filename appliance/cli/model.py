@@ -10,6 +10,8 @@ from typing import Any
 from appliance.cli.argtypes import non_negative_float
 from appliance.cli.common import CLIError, add_command
 
+SCHEME_NAMES = ("int8", "fp8", "auto")  # appliance.model.precision's, without importing torch to parse
+
 
 def register(sub: Any) -> None:
     p = add_command(sub, "demo-model", "build the tiny demo Llama (offline, deterministic)", cmd_demo_model)
@@ -20,11 +22,15 @@ def register(sub: Any) -> None:
                    help="training time budget in seconds (0: untrained weights)")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
 
-    p = add_command(sub, "quantize", "BF16/FP16 HF checkpoint -> W8A8 INT8 compressed-tensors checkpoint; prints a "
-                                     "JSON summary", cmd_quantize)
+    p = add_command(sub, "quantize", "BF16/FP16 HF checkpoint -> W8A8 (INT8 or FP8) compressed-tensors checkpoint; "
+                                     "prints a JSON summary", cmd_quantize)
     p.add_argument("src", type=Path, help="source checkpoint folder (config.json + safetensors)")
     p.add_argument("dst", type=Path, help="destination folder (must not exist)")
-    p.add_argument("--no-eval", action="store_true", help="skip the quality check (top-1 agreement, KL, perplexity)")
+    p.add_argument("--scheme", choices=SCHEME_NAMES, default="int8",
+                   help="int8: CPUs and GPUs before Blackwell; fp8 (e4m3): GPUs of compute capability 8.9 and up "
+                        "(Ada, Hopper, Blackwell); auto: fp8 when NVML reports 8.9+ on every GPU here, else int8")
+    p.add_argument("--no-eval", action="store_true", help="skip the quality check (top-1 agreement, KL, perplexity; "
+                                                          "it runs one decoder layer at a time)")
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
@@ -53,7 +59,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from appliance.model.quantize import QuantizeError, quantize_checkpoint
 
     try:
-        summary = quantize_checkpoint(args.src, args.dst, evaluate=not args.no_eval)
+        summary = quantize_checkpoint(args.src, args.dst, scheme=args.scheme, evaluate=not args.no_eval)
     except QuantizeError as exc:
         raise CLIError(str(exc)) from None
     print(json.dumps(summary, default=str))

@@ -94,7 +94,9 @@ def cmd_monitoring_config(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     settings = load(args)
     print(yaml.safe_dump(config_dump(settings, show_secrets=args.show_secrets), sort_keys=False), end="")
-    if args.engines and settings.model is not None:
+    if args.engines and settings.model is None:
+        print("# engines: no model set; `appliance serve` builds the demo model at start and runs that")
+    elif args.engines:
         from appliance.engine.supervisor import build_specs
         from appliance.serve import engine_extra_env
 

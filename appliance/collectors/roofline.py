@@ -41,13 +41,13 @@ from appliance.collectors.nvml import NvmlSource
 from appliance.collectors.probes import HostPeaks
 from appliance.collectors.procs import replica_cores, replica_device
 from appliance.collectors.settings import CollectorSettings
+from appliance.model.shape import ShapeError, read_config, shape_from_config
 
 if TYPE_CHECKING:
     from appliance.engine.contract import Replica
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1, "fp8": 1}
 SAFETENSORS_INT8 = {"I8", "U8", "F8_E4M3", "F8_E5M2"}
 
 # Dense peak tensor throughput per GPU from NVIDIA datasheets: (name fragment, BF16 FLOP/s, INT8 OP/s). Longer
@@ -90,7 +90,7 @@ def model_facts(model_dir: Path, kv_dtype_bytes: int | None = None) -> ModelFact
             continue
         parameters += count
         int8 += count if dtype in SAFETENSORS_INT8 else 0
-    config = _read_json(model_dir / "config.json")
+    config = _read_config(model_dir)
     return ModelFacts(
         weight_bytes=sum(p.stat().st_size for p in files),
         parameters=parameters,
@@ -123,25 +123,21 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[str, int, int]]:
     return shapes
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_config(model_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_config(model_dir)[0]
+    except ShapeError:
         return {}
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int | None = None) -> int | None:
-    """2 (K and V) x layers x KV heads x head dim x bytes per element, from an HF config (None if incomplete)."""
-    text = config.get("text_config", config)
-    layers = text.get("num_hidden_layers")
-    heads = text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
-    dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    element = dtype_bytes or DTYPE_BYTES.get(dtype, 2)
-    if not (layers and kv_heads and head_dim):
+    """2 (K and V) x layers x KV heads x head dim x bytes per element (default the config's torch_dtype), from
+    an HF config through the planner's shape reader; None when the config lacks the shape."""
+    try:
+        per_token = shape_from_config(config).kv_bytes_per_token(dtype_bytes)
+    except ShapeError:
         return None
-    return 2 * int(layers) * int(kv_heads) * int(head_dim) * element
+    return per_token or None
 
 
 def kv_capacity_bytes(replica: Replica, facts: ModelFacts | None, settings: CollectorSettings

@@ -28,10 +28,14 @@ log = logging.getLogger(__name__)
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
 
 
+HEALTH_PROBE_TIMEOUT_SECONDS = 2.0
+
+
 async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
-    """One look at an engine's /health: green only on a 200 within 2 s."""
+    """One look at an engine's /health: green only on a 200 within HEALTH_PROBE_TIMEOUT_SECONDS."""
     try:
-        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        async with session.get(f"{url}/health",
+                               timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_SECONDS)) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False

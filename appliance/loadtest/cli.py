@@ -26,6 +26,7 @@ from appliance.cli.argtypes import (
     positive_int,
 )
 from appliance.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from appliance.loadtest.plan import KV_DTYPES  # standard library only, like the rest of the planner
 
 if TYPE_CHECKING:  # the handlers import these when they run: `appliance status` need not load aiohttp
     from appliance.loadtest.bench import SLO, PromptSource, Target
@@ -57,13 +58,20 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--max-len", type=positive_int, required=True, help="max model length (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "fp8"],
                    help="weights; auto: int8 for a quantized checkpoint, else bf16")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"],
-                   help="KV-cache element type; auto: the weights' activation dtype")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES,
+                   help="KV cache dtype planned with (both 16-bit and fp8 are shown); default engine.kv_cache_dtype "
+                        "from --config / APPLIANCE_ENGINE__KV_CACHE_DTYPE; auto: the weights' activation dtype")
+    p.add_argument("--config", type=Path, help="YAML settings file read for engine.kv_cache_dtype")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of device memory vLLM may use (GPU)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="GPUs per replica")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="where the engine runs")
-    p.add_argument("--block-size", type=positive_int, default=16, help="paged KV-cache block size in tokens")
+    p.add_argument("--gpu-name", help="GPU model, e.g. 'NVIDIA A100-SXM4-80GB': vLLM's default tokens per step "
+                                      "depend on it (A100s get 2048 where other 70+ GiB GPUs get 8192)")
+    p.add_argument("--block-size", type=positive_int,
+                   help="paged KV-cache block size in tokens (default vLLM's: 16 on GPUs, 128 on CPUs)")
+    p.add_argument("--os-reserve-gib", type=non_negative_float,
+                   help="CPU: RAM left to the operating system (default 10%% of --memory-gib, at least 2 GiB)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: vLLM's)")
     p.add_argument("--max-num-seqs-cap", type=positive_int, default=256, help="upper bound on --max-num-seqs")
     p.add_argument("--typical-len", type=positive_int, help="size --max-num-seqs for this length (default max-len)")
@@ -144,16 +152,18 @@ def _fail(command: str, message: str, code: int) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from appliance.loadtest.plan import PlanError, PlanInputs, load_shape, make_plan, render_plan
+    from appliance.settings import ConfigError, load_settings
 
     try:
+        kv_dtype = args.kv_dtype or load_settings(args.config).engine.kv_cache_dtype
         shape = load_shape(args.model_config, args.model_size)
         plan = make_plan(shape, PlanInputs(
-            memory_gib=args.memory_gib, max_len=args.max_len, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            memory_gib=args.memory_gib, max_len=args.max_len, dtype=args.dtype, kv_dtype=kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
             device=args.device, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs_cap=args.max_num_seqs_cap, typical_len=args.typical_len, context_lens=args.context_lens,
-            reserve_gib=args.reserve_gib))
-    except PlanError as exc:
+            reserve_gib=args.reserve_gib, gpu_name=args.gpu_name, os_reserve_gib=args.os_reserve_gib))
+    except (PlanError, ConfigError) as exc:
         return _fail("plan", str(exc), EXIT_USAGE)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -199,3 +200,16 @@ def test_gpu_without_nvml_has_no_peaks(tmp_path: Path) -> None:
 
 def _absent():
     raise ImportError("no pynvml")
+
+
+def test_roofline_and_planner_read_the_same_shape(tmp_path: Path) -> None:
+    """One reader: the collector's KV bytes per token are the planner's, for auto and fp8 caches alike."""
+    from appliance.loadtest.plan import kv_bytes_per_token as planned
+    from appliance.loadtest.plan import load_shape
+
+    config = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+              "intermediate_size": 18944, "vocab_size": 152064, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_shape(tmp_path, None)
+    assert kv_bytes_per_token(config) == planned(shape, "auto") == 2 * 28 * 4 * 128 * 4
+    assert kv_bytes_per_token(config, dtype_bytes=1) == planned(shape, "fp8")

@@ -108,3 +108,12 @@ def test_replicas_this_appliance_does_not_run_cannot_be_restarted():
             response = client.post(path, headers=AUTH)
             assert response.status_code == 409 and response.json()["error"]["code"] == "not_supervised"
         assert client.post("/admin/replicas/nope/restart", headers=AUTH).status_code == 404
+
+
+def test_status_shows_the_kv_cache_dtype(make_app):
+    from appliance.admin_client import format_status
+
+    client, _replicas, _registry = make_app(engine={"kv_cache_dtype": "fp8"})
+    status = client.get("/admin/status", headers=AUTH).json()
+    assert status["kv_cache_dtype"] == "fp8"
+    assert "kv-cache fp8" in format_status(status).splitlines()[0]
