@@ -32,8 +32,9 @@ RUN python3 -m venv /opt/venv \
 # PyPI's torchvision/torchaudio/torchcodec break imports beside the +cpu torch; vLLM's CPU build needs none.
 FROM wheels AS engine-venv
 ARG ENGINE_BUILD=gpu
-COPY pyproject.toml README.md /tmp/deps/
-RUN mkdir /tmp/deps/appliance && touch /tmp/deps/appliance/__init__.py \
+# Only pyproject.toml: an edit of README.md (or of the code) must not reinstall gigabytes of dependencies.
+COPY pyproject.toml /tmp/deps/
+RUN mkdir /tmp/deps/appliance && touch /tmp/deps/appliance/__init__.py /tmp/deps/README.md \
     && python3 -m venv /opt/venv \
     && pip install --no-index --find-links /wheelhouse "setuptools>=68" "/tmp/deps[${ENGINE_BUILD}]" \
     && pip uninstall -y appliance \

