@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -147,11 +148,13 @@ class Podman:
     def _play_health_timer(self) -> None:
         """Run due health checks every second: what systemd timers do for podman where systemd runs."""
         while not self._stop_health.wait(1.0):
-            listed = self("ps", "-q", "--filter", "health=starting", check=False, timeout=30).stdout.split()
-            listed += self("ps", "-q", "--filter", "health=healthy", check=False, timeout=30).stdout.split()
-            listed += self("ps", "-q", "--filter", "health=unhealthy", check=False, timeout=30).stdout.split()
-            for container in listed:
-                self("healthcheck", "run", container, check=False, timeout=30)
+            # A loaded machine can make podman slow: a late round is skipped, never fatal.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                listed = self("ps", "-q", "--filter", "health=starting", check=False, timeout=60).stdout.split()
+                listed += self("ps", "-q", "--filter", "health=healthy", check=False, timeout=60).stdout.split()
+                listed += self("ps", "-q", "--filter", "health=unhealthy", check=False, timeout=60).stdout.split()
+                for container in listed:
+                    self("healthcheck", "run", container, check=False, timeout=60)
 
     # -- images -------------------------------------------------------------------------------------------------
 
@@ -233,7 +236,7 @@ def remove_netavark_chains(keep: set[tuple[str, str]] = frozenset()) -> None:
         chains = [c for c in re.findall(r"^-N (NETAVARK\S*)", listing, re.M) if (table, c) not in keep]
         for rule in re.findall(r"^-A (\S+) (.*-j NETAVARK\S*)$", listing, re.M):
             if not rule[0].startswith("NETAVARK") and any(rule[1].endswith(f"-j {c}") for c in chains):
-                _run(["iptables", "-t", table, "-D", rule[0], *rule[1].split()], check=False)
+                _run(["iptables", "-t", table, "-D", rule[0], *shlex.split(rule[1])], check=False)
         for chain in chains:
             _run(["iptables", "-t", table, "-F", chain], check=False)
         for chain in chains:

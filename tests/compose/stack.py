@@ -127,6 +127,16 @@ class ComposeStack:
             raise RuntimeError(f"docker-compose {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
         return result
 
+    def destroy(self) -> None:
+        """`down -v`, then whatever a failed or interrupted `down` left (containers, volumes, network)."""
+        self.compose("down", "-v", "-t", "1", check=False, timeout=300)
+        label = f"label=com.docker.compose.project={self.project}"
+        for container in self.podman("ps", "-aq", "--filter", label, check=False).stdout.split():
+            self.podman("rm", "-f", "-t", "1", container, check=False)
+        for volume in self.podman("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
+            self.podman("volume", "rm", "-f", volume, check=False)
+        self.podman("network", "rm", "-f", f"{self.project}_default", check=False)
+
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.strip()
 

@@ -124,7 +124,7 @@ def test_engine_output_is_in_the_container_log_and_in_the_rotated_file(compose_s
     logs = compose_stack.logs("appliance-cpu", tail=5000)
     assert "[replica-0] " in logs
     files = exec_in(compose_stack, "appliance-cpu", "ls", "/var/lib/appliance/logs").split()
-    assert "replica-0.log" in files
+    assert "engine-0.log" in files
 
 
 def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose_stack: ComposeStack) -> None:

@@ -4,7 +4,7 @@ ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
        prometheus-alertmanager wget \
-    && rm -rf /var/lib/apt/lists/* && ln -s /usr/bin/prometheus-alertmanager /bin/alertmanager \
+    && rm -rf /var/lib/apt/lists/* && ln -sf /usr/bin/prometheus-alertmanager /usr/bin/alertmanager \
     && install -d -o nobody -g nogroup /alertmanager
 USER nobody
 WORKDIR /alertmanager
