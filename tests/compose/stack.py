@@ -166,8 +166,9 @@ class ComposeStack:
     def vllm_server(self) -> psutil.Process:
         for proc in self.processes():
             try:
-                if "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline()):
-                    return proc
+                cmdline = " ".join(proc.cmdline())
+                if "vllm.entrypoints.openai.api_server" in cmdline and "appliance.engine.launch" not in cmdline:
+                    return proc  # the server itself, not the launcher whose command line names it
             except (psutil.NoSuchProcess, psutil.ZombieProcess):
                 continue
         raise LookupError("no vLLM server in the appliance container")
