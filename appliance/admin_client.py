@@ -22,22 +22,33 @@ class AdminError(RuntimeError):
 
 
 def admin_token() -> str | None:
-    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated under the state dir."""
+    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated: under $APPLIANCE_STATE_DIR, ./var, or the
+    source tree's var/ (where `make up` runs), so the operator commands work from any directory."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
-    path = os.path.join(os.environ.get("APPLIANCE_STATE_DIR", "var"), TOKEN_FILE)
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    for state_dir in token_dirs():
+        try:
+            with open(os.path.join(state_dir, TOKEN_FILE)) as f:
+                if token := f.read().strip():
+                    return token
+        except OSError:
+            continue
+    return None
+
+
+def token_dirs() -> list[str]:
+    from appliance.paths import DEFAULT_STATE_DIR
+
+    configured = os.environ.get("APPLIANCE_STATE_DIR")
+    return [configured] if configured else ["var", str(DEFAULT_STATE_DIR)]
 
 
 def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
     token = admin_token()
     if not token:
-        raise AdminError(f"{TOKEN_ENV} is not set: export the appliance's admin token first")
+        raise AdminError(f"no admin token: set {TOKEN_ENV}, or run from where `appliance up` wrote "
+                         f"{TOKEN_FILE} (looked in {', '.join(token_dirs())})")
     request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method, data=b"" if method == "POST" else None,
                                      headers={"Authorization": f"Bearer {token}"})
     try:
@@ -54,7 +65,8 @@ def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
 
 
 def format_status(status: dict) -> str:
-    lines = [f"model {status['model']}  ready {status['ready_replicas']}/{len(status['replicas'])}  "
+    lines = [f"model {status['model']}  kv-cache {status.get('kv_cache_dtype', 'auto')}  "
+             f"ready {status['ready_replicas']}/{len(status['replicas'])}  "
              f"in-flight {status['in_flight']}  queued {status['queue_length']}"
              + ("  DRAINING" if status["draining"] else "")]
     header = f"{'replica':<12} {'state':<10} {'where':<10} {'out':>4} {'limit':>5} {'kv':>5} {'wait':>5} " \
@@ -70,9 +82,23 @@ def format_status(status: dict) -> str:
     if any(r["ejected"] for r in status["replicas"]):
         lines.append("* ejected from routing: " + "; ".join(
             f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
+    lines += format_replica_errors(status["replicas"])
     if status.get("maintenance"):
         lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
+
+
+def format_replica_errors(replicas: list[dict]) -> list[str]:
+    """Replicas whose engine could not be started, or that said why they are not serving: the first thing an
+    operator needs when a replica stays out of routing (a spawn failure never reaches the engine's log)."""
+    lines = []
+    for r in replicas:
+        failures = r.get("spawn_failures") or 0
+        if failures:
+            lines.append(f"! {r['name']}: {failures} failed spawn(s); last error: {r.get('last_error') or '-'}")
+        elif r.get("last_error") and r["state"] != "ready":
+            lines.append(f"! {r['name']}: {r['last_error']}")
+    return lines
 
 
 def format_maintenance(m: dict) -> list[str]:

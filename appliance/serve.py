@@ -3,22 +3,34 @@
 Shutdown order matters to clients: first turn not-ready and refuse new requests with 503 (load balancers move
 away), then let in-flight requests and streams finish up to ``drain_timeout_seconds``, then stop the engines,
 then exit 0. A second signal skips the wait.
+
+The ``role`` setting picks the fleet (see docs/kubernetes.md): ``all`` (the default, one host) and ``node`` run
+their own engines (supervisor); ``gateway`` runs none and follows the engines behind ``discovery.name``. A node's
+engines also serve other pods' gateways, whose requests its own router never sees, so a node's drain also waits
+until its engines report nothing running or waiting, and never ends before one discovery interval has passed
+(the gateways' time to notice the node left DNS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
+from appliance.app import create_app
+from appliance.collectors import engine_stats_env
+from appliance.engine.contract import Fleet
+from appliance.engine.discovery import DnsFleet
 from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
-from appliance.gateway.app import create_app
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,10 +39,13 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, except that the first SIGTERM/SIGINT drains before it stops accepting."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float, *,
+                 pending: Callable[[FastAPI], int] | None = None, settle_seconds: float = 0.0) -> None:
         super().__init__(config)
         self._app = app
         self._drain_timeout = drain_timeout
+        self._pending = pending or in_flight
+        self._settle_seconds = settle_seconds
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -48,12 +63,14 @@ class DrainingServer(uvicorn.Server):
         self._draining = True
         self._app.state.draining = True
         log.info("signal %s: draining %d in-flight request(s) (up to %.0fs); not ready, new requests get 503", sig,
-                 in_flight(self._app), self._drain_timeout)
+                 self._pending(self._app), self._drain_timeout)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self._drain_timeout
-        while (pending := in_flight(self._app)) and time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + self._drain_timeout
+        settled = min(started + self._settle_seconds, deadline)
+        while ((pending := self._pending(self._app)) or time.monotonic() < settled) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if pending:
             log.warning("drain timeout: %d requests still in flight; stopping anyway", pending)
@@ -63,17 +80,49 @@ class DrainingServer(uvicorn.Server):
 
 
 def in_flight(app: FastAPI) -> int:
-    return sum(r.status.outstanding for r in app.state.replicas())
+    return app.state.router.in_flight()
+
+
+def node_pending(app: FastAPI) -> int:
+    """Requests this node still serves: its own gateway's, plus what its engines report running or waiting
+    (other gateways' requests). An engine whose reading is stale is not serving anything we can wait for."""
+    router = app.state.router
+    now = time.monotonic()
+    engine_side = 0.0
+    for load in router.loads().values():
+        if now - load.read_at <= router.routing.metrics_stale_seconds:
+            engine_side += (load.running or 0.0) + (load.waiting or 0.0)
+    return router.in_flight() + math.ceil(engine_side)
+
+
+def engine_extra_env(settings: Settings) -> dict[str, str]:
+    """What every supervised engine's environment carries for the other parts: the collectors' engine plugin
+    learns where to write its allocator statistics."""
+    return engine_stats_env(settings.collectors, settings.state_dir)
+
+
+def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
+    """The engines this appliance routes to: found by DNS (gateway role), at ``engine_urls``, or its own."""
+    if settings.role == "gateway":
+        return DnsFleet.from_settings(settings, registry)
+    if settings.engine_urls:
+        return ExternalFleet(settings.engine_urls)
+    return Supervisor.from_settings(settings, engine_extra_env(settings))
 
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
-    supervisor = ExternalFleet(settings.engine_urls) if settings.engine_urls else Supervisor.from_settings(settings)
-    app = create_app(settings, supervisor=supervisor)
+    registry = CollectorRegistry()
+    fleet = build_fleet(settings, registry)
+    app = create_app(settings, fleet=fleet, registry=registry)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=5, access_log=False,
     )
-    server = DrainingServer(config, app, settings.drain_timeout_seconds)
+    if settings.role == "node":
+        server = DrainingServer(config, app, settings.drain_timeout_seconds, pending=node_pending,
+                                settle_seconds=settings.discovery.interval_seconds)
+    else:
+        server = DrainingServer(config, app, settings.drain_timeout_seconds)
     server.run()
     return 0 if server.started else 1

@@ -7,11 +7,14 @@ message naming the key, never later at request time.
 
 from __future__ import annotations
 
+import json
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -51,24 +54,103 @@ class EngineSettings(BaseModel):
     quantization: str | None = Field(
         None, description="vLLM --quantization; unset lets vLLM read it from the checkpoint (compressed-tensors)."
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="vLLM --kv-cache-dtype: auto keeps K/V in the model's dtype; fp8 (= fp8_e4m3) and "
+        "fp8_e5m2 halve the KV cache's bytes per token, so the same space holds twice the tokens. Without "
+        "k/v scales in the checkpoint vLLM uses scale 1.0."
+    )
     shutdown_timeout_seconds: int = Field(
         10, ge=0, description="vLLM --shutdown-timeout: how long an engine finishes requests on SIGTERM."
     )
     start_timeout_seconds: float = Field(
         300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
     )
-    extra_args: list[str] = Field(default_factory=list, description="More vLLM flags, passed verbatim.")
+    extra_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
+        "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."
+    )
 
     @field_validator("extra_args", mode="before")
     @classmethod
     def _split_args(cls, value: Any) -> Any:
-        return value.split() if isinstance(value, str) else value
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else shlex.split(text)
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_kv_cache_dtype_in_extra_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=", 1)[0] == "--kv-cache-dtype" for arg in value):
+            raise ValueError("set engine.kv_cache_dtype instead of passing --kv-cache-dtype in extra_args")
+        return value
+
+
+ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix"]
+
+
+class ScorerWeights(BaseModel):
+    """Weight of each scorer in the weighted sum (0 turns a scorer off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    outstanding: float = Field(1.0, ge=0, description="Requests the gateway has in flight at the replica (exact).")
+    kv_cache: float = Field(0.0, ge=0, description="Engine KV-cache usage (vllm:kv_cache_usage_perc), if fresh.")
+    queue: float = Field(0.0, ge=0, description="Engine queue (vllm:num_requests_waiting), if fresh.")
+    prefix: float = Field(1.0, ge=0, description="Share of the prompt's prefix recently sent to the replica.")
+
+
+class PrefixScorerSettings(BaseModel):
+    """The approximate prefix-affinity index: chained hashes of fixed-size character blocks of each prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_chars: int = Field(64, ge=8, le=65536, description="Characters per hashed prompt block (~16 tokens).")
+    index_bytes: int = Field(
+        64 * 2**20, ge=2**16, description="Memory budget of the prefix index in bytes; least recently used blocks "
+        "are evicted beyond it."
+    )
+    load_factor: float = Field(
+        1.25, ge=1.0, description="Bounded load: affinity yields when the replica would hold more than this "
+        "multiple of the mean in-flight requests (rounded up)."
+    )
+
+
+class RoutingScorerSettings(BaseModel):
+    """How the router picks among the replicas the filters left: weighted scorers, or round robin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["weighted", "round_robin"] = Field(
+        "weighted", description="weighted: highest weighted score wins; round_robin: rotate (benchmark baseline)."
+    )
+    weights: ScorerWeights = Field(default_factory=ScorerWeights)
+    tie_breakers: Annotated[list[ScorerName], NoDecode] = Field(
+        default_factory=lambda: ["kv_cache", "queue"],
+        description="Scorers that order equal weighted totals, in turn; then the lower replica index.",
+    )
+    prefix: PrefixScorerSettings = Field(default_factory=PrefixScorerSettings)
+
+    @field_validator("tie_breakers", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _usable(self) -> RoutingScorerSettings:
+        if len(set(self.tie_breakers)) != len(self.tie_breakers):
+            raise ValueError("tie_breakers lists a scorer twice")
+        if self.policy == "weighted" and not any(self.weights.model_dump().values()):
+            raise ValueError("every scorer weight is 0: give at least one a positive weight")
+        return self
 
 
 class RoutingSettings(BaseModel):
     """Passive outlier ejection: replicas that fail or lag are taken out of routing for a backoff period."""
 
     model_config = ConfigDict(extra="forbid")
+
+    scorers: RoutingScorerSettings = Field(default_factory=RoutingScorerSettings)
 
     eject_consecutive_failures: int = Field(
         3, ge=1, description="Upstream failures in a row (connect errors, 5xx, timeouts) that eject a replica."
@@ -107,6 +189,38 @@ class AdmissionSettings(BaseModel):
     target_ttft_fraction: float = Field(
         0.8, gt=0, le=1, description="Per-request TTFT target as a fraction of slo_ttft_p95_seconds (headroom)."
     )
+
+
+class DiscoverySettings(BaseModel):
+    """Gateway role: engines found by DNS (a Kubernetes headless Service), re-resolved on an interval."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, description="DNS name whose A/AAAA records are the node addresses (e.g. the headless Service "
+        "appliance-engines.NAMESPACE.svc.cluster.local); required when role is gateway."
+    )
+    interval_seconds: float = Field(5.0, gt=0, description="How often the name is resolved again.")
+    engines_per_node: int = Field(
+        1, ge=1, le=64, description="Engines behind each address, at engine_base_port + i (the node's replicas)."
+    )
+    nameserver: str | None = Field(
+        None, description="host:port of the DNS server to ask (tests, or a resolver other than the system's); "
+        "unset: the system resolver (getaddrinfo)."
+    )
+    resolve_timeout_seconds: float = Field(
+        2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
+    )
+
+    @field_validator("nameserver")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"nameserver must be host:port, got {value!r}")
+        return value
 
 
 class Settings(BaseSettings):
@@ -157,12 +271,24 @@ class Settings(BaseSettings):
         1.0, ge=0, le=1, description="Fraction of new traces recorded when an OTLP endpoint is set."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
+    role: Literal["all", "node", "gateway"] = Field(
+        "all", description="all: gateway and engines in one process (one host). node: this node's engines (a "
+        "Kubernetes node pod). gateway: routing only, engines found by `discovery`."
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
     collectors: CollectorSettings = Field(default_factory=CollectorSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
+    # reads again. None for settings built in code.
+    _source: SettingsSource | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> SettingsSource | None:
+        return self._source
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
@@ -180,6 +306,18 @@ class Settings(BaseSettings):
             )
         if engine_ports.stop - 1 > 65535:
             raise ValueError("engine_base_port + replicas exceeds 65535")
+        if self.role == "gateway" and not self.discovery.name:
+            raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
+        if self.role == "gateway" and self.engine_urls:
+            raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        return self
+
+    @model_validator(mode="after")
+    def _collectors_know_the_kv_dtype(self) -> Settings:
+        """An fp8 KV cache stores one byte per element: the roofline's KV bytes per token follow the engine's
+        setting unless the operator set collectors.kv_cache_dtype_bytes."""
+        if self.engine.kv_cache_dtype != "auto" and self.collectors.kv_cache_dtype_bytes is None:
+            self.collectors = self.collectors.model_copy(update={"kv_cache_dtype_bytes": 1})
         return self
 
     @classmethod
@@ -199,6 +337,17 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
+@dataclass(frozen=True)
+class SettingsSource:
+    """The configuration file and explicit overrides settings were loaded from; the environment is re-read."""
+
+    config_file: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Settings:
+        return load_settings(self.config_file, **self.overrides)
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings from an optional YAML file and the environment; raise ConfigError on bad input."""
     if config_file is not None:
@@ -211,6 +360,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError
         raise ConfigError(_describe(exc)) from exc
+    loaded._source = SettingsSource(config_file, dict(overrides))
     return loaded
 
 

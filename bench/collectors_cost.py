@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 from appliance.collectors import engine_stats_env, register_collectors  # noqa: E402
 from appliance.collectors.engine_plugin import write_stats  # noqa: E402
 from appliance.collectors.settings import CollectorSettings  # noqa: E402
+from appliance.engine.contract import ReplicaState, ReplicaStatus  # noqa: E402
+from appliance.engine.load import EngineLoad  # noqa: E402
 from appliance.engine.placement import Placement  # noqa: E402
-from appliance.engine.replica import ReplicaState, ReplicaStatus  # noqa: E402
-from appliance.gateway.router import EngineLoad  # noqa: E402
 
 PLUGIN = ("import ctypes; ctypes.CDLL('libc.so.6').prctl(1, 9)  # die with the benchmark\n"
           "import appliance.collectors.engine_plugin as plugin; plugin.register()\n")
@@ -63,17 +63,17 @@ LAUNCHER = (
 
 
 @dataclass
-class Spec:
-    placement: Placement
-    env: dict[str, str]
+class BenchReplica:
+    """What the collectors read of a replica (``appliance.engine.contract.Replica``), over real launcher trees."""
 
-
-@dataclass
-class FakeReplica:
     name: str
     status: ReplicaStatus
-    spec: Spec
+    placement: Placement
+    kv_cache_space_bytes: int | None = 2**30
     url: str = "http://127.0.0.1:1"
+    routable: bool = True
+    restartable: bool = False
+    drainable: bool = False
 
 
 def spawn(busy: bool, env: dict[str, str]) -> subprocess.Popen:
@@ -137,7 +137,7 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
 
 
-def build(replicas: list[FakeReplica], loads: dict[str, EngineLoad], settings: CollectorSettings, model: Path,
+def build(replicas: list[BenchReplica], loads: dict[str, EngineLoad], settings: CollectorSettings, model: Path,
           state: Path) -> CollectorRegistry:
     registry = CollectorRegistry()
     register_collectors(registry, replicas=lambda: replicas, router_load=lambda: loads, settings=settings,
@@ -157,9 +157,8 @@ def run_case(busy: bool, args: argparse.Namespace, tmp: Path) -> dict[str, float
             launcher = spawn(busy, env)
             stack.callback(stop, launcher)
             launchers.append(launcher)
-        replicas = [FakeReplica(f"replica-{i}", ReplicaStatus(ReplicaState.READY, pid=p.pid, starts=1),
-                                Spec(Placement("cpu", cores=(cores[i % len(cores)],)),
-                                     {"VLLM_CPU_KVCACHE_SPACE": "1"}))
+        replicas = [BenchReplica(f"replica-{i}", ReplicaStatus(ReplicaState.READY, pid=p.pid, starts=1),
+                                 Placement("cpu", cores=(cores[i % len(cores)],)))
                     for i, p in enumerate(launchers)]
         _wait_for_trees(launchers, Path(env["APPLIANCE_ENGINE_STATS_DIR"]))
         if args.fake_gpus:

@@ -26,7 +26,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.cli import ensure_demo_model  # noqa: E402
+from appliance.cli.serve import ensure_demo_model  # noqa: E402
 from appliance.loadtest.bench import Target, execute, summarize_run  # noqa: E402
 from appliance.loadtest.load import LoadSpec  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402

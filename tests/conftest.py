@@ -28,7 +28,7 @@ def demo_models_dir() -> Path:
 @pytest.fixture(scope="session")
 def demo_model_int8(demo_models_dir: Path) -> Path:
     """The INT8 (W8A8) demo model, as `appliance up` builds it."""
-    from appliance.cli import ensure_demo_model
+    from appliance.cli.serve import ensure_demo_model
 
     return ensure_demo_model(demo_models_dir)
 

@@ -65,3 +65,13 @@ def test_invalid_environment_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("APPLIANCE_PORT", "eighty")
     with pytest.raises(ConfigError, match="port"):
         load_settings()
+
+
+def test_an_fp8_kv_cache_is_one_byte_per_element_for_the_collectors(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_ENGINE__KV_CACHE_DTYPE", "fp8")
+    assert load_settings(None).collectors.kv_cache_dtype_bytes == 1
+    monkeypatch.setenv("APPLIANCE_COLLECTORS__KV_CACHE_DTYPE_BYTES", "2")  # the operator's word wins
+    assert load_settings(None).collectors.kv_cache_dtype_bytes == 2
+    monkeypatch.delenv("APPLIANCE_ENGINE__KV_CACHE_DTYPE")
+    monkeypatch.delenv("APPLIANCE_COLLECTORS__KV_CACHE_DTYPE_BYTES")
+    assert load_settings(None).collectors.kv_cache_dtype_bytes is None

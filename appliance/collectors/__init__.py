@@ -9,9 +9,9 @@ imports the collectors when the gateway calls it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from appliance.collectors.engine_plugin import ENGINE_STATS_DIR_ENV, ENGINE_STATS_INTERVAL_ENV
 
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
     from appliance.collectors.probes import HostPeaks
     from appliance.collectors.settings import CollectorSettings
+    from appliance.engine.contract import Replica
+    from appliance.engine.load import EngineLoad
 
 __all__ = ["ENGINE_STATS_DIR_ENV", "ENGINE_STATS_INTERVAL_ENV", "engine_stats_dir", "engine_stats_env",
            "register_collectors"]
@@ -43,8 +45,8 @@ def engine_stats_env(settings: CollectorSettings, state_dir: Path) -> dict[str, 
 def register_collectors(
     registry: CollectorRegistry,
     *,
-    replicas: Callable[[], Sequence[Any]],
-    router_load: Callable[[], dict[str, Any]],
+    replicas: Callable[[], Sequence[Replica]],
+    router_load: Callable[[], Mapping[str, EngineLoad]],
     settings: CollectorSettings,
     model_dir: Path | None,
     state_dir: Path,
@@ -88,11 +90,13 @@ def register_collectors(
         registry.register(collector)
 
 
-def _host_peaks(settings: CollectorSettings, replicas: Callable[[], Sequence[Any]],
+def _host_peaks(settings: CollectorSettings, replicas: Callable[[], Sequence[Replica]],
                 gpu_host: bool) -> HostPeaks | None:
     """Probe the host's peaks when a CPU replica may need them and the operator has not configured both."""
     configured = settings.peak_memory_bandwidth_bytes_per_second is not None and settings.peak_flops is not None
-    devices = {getattr(getattr(getattr(r, "spec", None), "placement", None), "device", "cpu") for r in replicas()}
+    from appliance.collectors.procs import replica_device
+
+    devices = {replica_device(r) for r in replicas()}
     needed = "cpu" in devices or (not devices and not gpu_host)
     if configured or not needed or not settings.probe_bandwidth:
         return None

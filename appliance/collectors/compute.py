@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.collectors.base import Clock, CollectorHealth, KeyedRates, MonotonicCounter, SafeCollector, ratio
 from appliance.collectors.nvml import GpuReading, NvmlSource
 from appliance.collectors.procs import ProcessTable
+
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
 
 # (attribute of GpuReading or GPM key, metric name, help) of the per-GPU gauges.
 GPU_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -45,7 +48,7 @@ GPM_GAUGES: tuple[tuple[str, str, str], ...] = (
 class ComputeCollector(SafeCollector):
     name = "compute"
 
-    def __init__(self, table: ProcessTable, nvml: NvmlSource, replicas: Callable[[], Sequence[Any]], *,
+    def __init__(self, table: ProcessTable, nvml: NvmlSource, replicas: Callable[[], Sequence[Replica]], *,
                  min_window: float = 5.0, health: CollectorHealth | None = None,
                  clock: Clock = time.monotonic) -> None:
         super().__init__(health)
@@ -148,6 +151,5 @@ def _per_gpu(metric: str, doc: str, readings: list[GpuReading],
     return family
 
 
-def _placement_gpus(replica: Any) -> tuple[int, ...]:
-    placement = getattr(getattr(replica, "spec", None), "placement", None)
-    return tuple(getattr(placement, "gpus", ()) or ())
+def _placement_gpus(replica: Replica) -> tuple[int, ...]:
+    return tuple(replica.placement.gpus) if replica.placement is not None else ()

@@ -10,12 +10,16 @@ engine that stopped answering has an unknown queue, not an empty one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from appliance.collectors.base import Clock, CollectorHealth, SafeCollector
+
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
+    from appliance.engine.load import EngineLoad
 
 # (EngineLoad attribute, metric name, help)
 LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -31,7 +35,8 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
 class EngineCollector(SafeCollector):
     name = "engine"
 
-    def __init__(self, replicas: Callable[[], Sequence[Any]], router_load: Callable[[], dict[str, Any]], *,
+    def __init__(self, replicas: Callable[[], Sequence[Replica]],
+                 router_load: Callable[[], Mapping[str, EngineLoad]], *,
                  max_age_seconds: float = 5.0, health: CollectorHealth | None = None,
                  clock: Clock = time.monotonic) -> None:
         super().__init__(health)
@@ -56,12 +61,12 @@ class EngineCollector(SafeCollector):
         self.health.set_sources(self.name, sources)
         return page
 
-    def _fresh_loads(self) -> dict[str, Any]:
+    def _fresh_loads(self) -> dict[str, EngineLoad]:
         now = self._clock()
         return {name: load for name, load in self._router_load().items() if now - load.read_at <= self._max_age}
 
 
-def _load_families(loads: dict[str, Any]) -> list[Metric]:
+def _load_families(loads: dict[str, EngineLoad]) -> list[Metric]:
     families = []
     for attribute, metric, doc in LOAD_GAUGES:
         family = GaugeMetricFamily(metric, doc, labels=["replica"])
@@ -73,28 +78,29 @@ def _load_families(loads: dict[str, Any]) -> list[Metric]:
     return families
 
 
-def _lifecycle_families(replicas: list[Any]) -> list[Metric]:
+def _lifecycle_families(replicas: list[Replica]) -> list[Metric]:
     starts = CounterMetricFamily("appliance_replica_starts", "Engine processes started for the replica (first "
                                  "start, restarts after crashes and maintenance restarts).", labels=["replica"])
     restarts = CounterMetricFamily("appliance_replica_restarts", "Restarts of the replica, after a crash or by "
                                    "maintenance (drain + restart).", labels=["replica"])
     crashes = CounterMetricFamily("appliance_replica_crashes", "Times the replica's engine exited without being "
                                   "asked to.", labels=["replica"])
+    spawn_failures = CounterMetricFamily("appliance_replica_spawn_failures", "Times the replica's engine process "
+                                         "could not even be started (ENOENT, ENOMEM, ENOSPC on its log...); the "
+                                         "supervisor retries with backoff.", labels=["replica"])
     load = GaugeMetricFamily("appliance_replica_model_load_seconds", "Seconds from spawning the replica's engine to "
                              "its first healthy /health at its latest start (model load + warm-up).",
                              labels=["replica"])
     restarted = GaugeMetricFamily("appliance_replica_last_restart_timestamp_seconds", "Unix time of the replica's "
                                   "latest restart (absent until it has restarted once).", labels=["replica"])
     for replica in replicas:
-        status = getattr(replica, "status", None)
-        if status is None:
-            continue
-        name = replica.name
-        starts.add_metric([name], getattr(status, "starts", 0) or 0)
-        restarts.add_metric([name], getattr(status, "restarts", 0) or 0)
-        crashes.add_metric([name], getattr(status, "crashes", 0) or 0)
-        if getattr(status, "load_seconds", None) is not None:
+        status, name = replica.status, replica.name
+        starts.add_metric([name], status.starts)
+        restarts.add_metric([name], status.restarts)
+        crashes.add_metric([name], status.crashes)
+        spawn_failures.add_metric([name], status.spawn_failures)
+        if status.load_seconds is not None:
             load.add_metric([name], status.load_seconds)
-        if (getattr(status, "starts", 0) or 0) > 1 and getattr(status, "last_start_time", None) is not None:
+        if status.starts > 1 and status.last_start_time is not None:
             restarted.add_metric([name], status.last_start_time)
-    return [starts, restarts, crashes, load, restarted]
+    return [starts, restarts, crashes, spawn_failures, load, restarted]

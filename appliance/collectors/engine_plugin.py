@@ -116,13 +116,9 @@ def _run(directory: Path, interval: float, stop_event: threading.Event) -> None:
 
 def write_stats(directory: Path) -> Path:
     """Write this process's allocator statistics to ``<directory>/<pid>.json`` atomically; return the path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pid = os.getpid()
-    path = directory / f"{pid}.json"
-    temporary = directory / f".{pid}.json.tmp"
-    temporary.write_text(json.dumps(collect_stats()))
-    os.replace(temporary, path)
-    return path
+    from appliance.files import atomic_write_text
+
+    return atomic_write_text(directory / f"{os.getpid()}.json", json.dumps(collect_stats()), mode=0o644)
 
 
 def collect_stats() -> dict[str, Any]:

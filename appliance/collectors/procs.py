@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import psutil
 
 from appliance.collectors.base import Clock
+
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
 
 API_SERVER = "api_server"
 ENGINE_CORE = "engine_core"
@@ -123,22 +126,20 @@ def _children_of(pid: int) -> list[int]:
     return children
 
 
-def replica_cores(replica: Any) -> int:
+def replica_cores(replica: Replica) -> int:
     """Cores a replica may use: its CPU placement's core list, else every core the gateway may use."""
-    placement = getattr(getattr(replica, "spec", None), "placement", None)
-    cores = getattr(placement, "cores", ()) or ()
+    cores = replica.placement.cores if replica.placement is not None else ()
     return len(cores) if cores else len(os.sched_getaffinity(0))
 
 
-def replica_device(replica: Any) -> str:
-    placement = getattr(getattr(replica, "spec", None), "placement", None)
-    return getattr(placement, "device", "cpu") or "cpu"
+def replica_device(replica: Replica) -> str:
+    return replica.placement.device if replica.placement is not None else "cpu"
 
 
 class ProcessTable:
     """Snapshots of every replica's process tree, shared by the collectors of one scrape."""
 
-    def __init__(self, replicas: Callable[[], Sequence[Any]], *, tree_refresh_seconds: float = 10.0,
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], *, tree_refresh_seconds: float = 10.0,
                  ttl: float = 0.5, clock: Clock = time.monotonic) -> None:
         self._replicas = replicas
         self._tree_refresh = tree_refresh_seconds
@@ -169,7 +170,7 @@ class ProcessTable:
     def _read_all(self, now: float) -> dict[str, ReplicaProcs]:
         result: dict[str, ReplicaProcs] = {}
         for replica in self._replicas():
-            pid = getattr(getattr(replica, "status", None), "pid", None)
+            pid = replica.status.pid
             if not pid:
                 continue
             tree = self._tree(replica.name, int(pid), now)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -41,11 +41,13 @@ from appliance.collectors.nvml import NvmlSource
 from appliance.collectors.probes import HostPeaks
 from appliance.collectors.procs import replica_cores, replica_device
 from appliance.collectors.settings import CollectorSettings
+from appliance.model.shape import ShapeError, read_config, shape_from_config
+
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
 
 log = logging.getLogger(__name__)
 
-KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1, "fp8": 1}
 SAFETENSORS_INT8 = {"I8", "U8", "F8_E4M3", "F8_E5M2"}
 
 # Dense peak tensor throughput per GPU from NVIDIA datasheets: (name fragment, BF16 FLOP/s, INT8 OP/s). Longer
@@ -88,7 +90,7 @@ def model_facts(model_dir: Path, kv_dtype_bytes: int | None = None) -> ModelFact
             continue
         parameters += count
         int8 += count if dtype in SAFETENSORS_INT8 else 0
-    config = _read_json(model_dir / "config.json")
+    config = _read_config(model_dir)
     return ModelFacts(
         weight_bytes=sum(p.stat().st_size for p in files),
         parameters=parameters,
@@ -121,36 +123,28 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[str, int, int]]:
     return shapes
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_config(model_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_config(model_dir)[0]
+    except ShapeError:
         return {}
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int | None = None) -> int | None:
-    """2 (K and V) x layers x KV heads x head dim x bytes per element, from an HF config (None if incomplete)."""
-    text = config.get("text_config", config)
-    layers = text.get("num_hidden_layers")
-    heads = text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else None)
-    dtype = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    element = dtype_bytes or DTYPE_BYTES.get(dtype, 2)
-    if not (layers and kv_heads and head_dim):
+    """2 (K and V) x layers x KV heads x head dim x bytes per element (default the config's torch_dtype), from
+    an HF config through the planner's shape reader; None when the config lacks the shape."""
+    try:
+        per_token = shape_from_config(config).kv_bytes_per_token(dtype_bytes)
+    except ShapeError:
         return None
-    return 2 * int(layers) * int(kv_heads) * int(head_dim) * element
+    return per_token or None
 
 
-def kv_capacity_bytes(replica: Any, facts: ModelFacts | None, settings: CollectorSettings) -> tuple[int | None, str]:
+def kv_capacity_bytes(replica: Replica, facts: ModelFacts | None, settings: CollectorSettings
+                      ) -> tuple[int | None, str]:
     """The replica's KV-cache capacity in bytes and where it came from (``kv_env``, ``kv_configured``)."""
-    env = getattr(getattr(replica, "spec", None), "env", None) or {}
-    space = env.get(KV_SPACE_ENV)
-    if space:
-        try:
-            return int(float(space) * 2**30), "kv_env"
-        except ValueError:
-            pass
+    if replica.kv_cache_space_bytes:
+        return replica.kv_cache_space_bytes, "kv_env"
     if settings.kv_cache_capacity_tokens and facts is not None and facts.kv_bytes_per_token:
         return settings.kv_cache_capacity_tokens * facts.kv_bytes_per_token, "kv_configured"
     return None, ""
@@ -213,7 +207,7 @@ class TokenRateWindows:
 class RooflineCollector(SafeCollector):
     name = "roofline"
 
-    def __init__(self, replicas: Callable[[], Sequence[Any]], router_load: Callable[[], dict[str, Any]],
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], router_load: Callable[[], dict[str, Any]],
                  settings: CollectorSettings, *, model_dir: Path | None, nvml: NvmlSource,
                  host_peaks: HostPeaks | None, health: CollectorHealth | None = None,
                  clock: Clock = time.monotonic) -> None:
@@ -310,14 +304,15 @@ class RooflineCollector(SafeCollector):
         self._rates.retain(names)
         return [peak_bw, peak_flops, step_bytes, mbu, mfu]
 
-    def _step_bytes(self, replica: Any, facts: ModelFacts, load: Any, sources: set[str]) -> float:
+    def _step_bytes(self, replica: Replica, facts: ModelFacts, load: Any, sources: set[str]) -> float:
         capacity, kv_source = kv_capacity_bytes(replica, facts, self._settings)
         if capacity is None or load.kv_cache_usage is None:
             return float(facts.weight_bytes)
         sources.add(kv_source)
         return facts.weight_bytes + load.kv_cache_usage * capacity
 
-    def _peaks(self, replica: Any, facts: ModelFacts | None, sources: set[str]) -> tuple[float | None, float | None]:
+    def _peaks(self, replica: Replica, facts: ModelFacts | None,
+               sources: set[str]) -> tuple[float | None, float | None]:
         """Peak bandwidth and FLOP/s of this replica's devices, and which source gave each."""
         configured_bw = self._settings.peak_memory_bandwidth_bytes_per_second
         configured_flops = self._settings.peak_flops
@@ -325,7 +320,7 @@ class RooflineCollector(SafeCollector):
         flops: float | None = None
         bw_source = flops_source = ""
         if replica_device(replica) == "cuda":
-            gpus = getattr(replica.spec.placement, "gpus", ()) or ()
+            gpus = replica.placement.gpus if replica.placement is not None else ()
             readings = {r.index: r for r in self._nvml.readings()}
             peaks = [readings[g].peak_bandwidth_bytes_per_second for g in gpus if g in readings]
             if peaks and all(peaks):

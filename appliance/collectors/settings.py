@@ -61,5 +61,7 @@ class CollectorSettings(BaseModel):
                     "with the model config it gives the KV bytes read per decode step.",
     )
     kv_cache_dtype_bytes: int | None = Field(
-        None, ge=1, le=8, description="Bytes per KV-cache element; default the model's torch_dtype (2 for bf16)."
+        None, ge=1, le=8,
+        description="Bytes per KV-cache element; default 1 when engine.kv_cache_dtype is an fp8 type, else the "
+                    "model's torch_dtype (2 for bf16).",
     )

@@ -38,6 +38,8 @@ def engine_argv(
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
+    if engine.kv_cache_dtype != "auto":  # vLLM's default; k/v scales are the checkpoint's, else 1.0
+        argv += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
     return argv + list(engine.extra_args)

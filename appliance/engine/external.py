@@ -8,14 +8,21 @@ import logging
 
 import aiohttp
 
-from appliance.engine.replica import ReplicaState, ReplicaStatus, probe_health
+from appliance.engine.contract import NotRestartable, ReplicaState, ReplicaStatus
+from appliance.engine.replica import probe_health
 
 log = logging.getLogger(__name__)
 
 
 class ExternalReplica:
+    """Satisfies ``appliance.engine.contract.Replica``; draining only stops the gateway routing to it."""
+
     HEALTH_INTERVAL_SECONDS = 2.0
     HEALTH_FAILURES_UNHEALTHY = 3
+    restartable = False
+    drainable = True
+    placement = None
+    kv_cache_space_bytes = None
 
     def __init__(self, index: int, url: str) -> None:
         self.name = f"external-{index}"
@@ -34,6 +41,9 @@ class ExternalReplica:
     def undrain(self) -> None:
         if self.status.state is ReplicaState.DRAINING:
             self.status.state = ReplicaState.STARTING  # the next green health check makes it ready
+
+    async def restart(self) -> None:
+        raise NotRestartable(f"{self.name} ({self.url}) is not run by this appliance")
 
     def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.create_task(self._watch(session), name=f"{self.name}-health")

@@ -1,52 +1,50 @@
 """One engine replica: a vLLM server process, its health, and its life cycle.
 
 A replica owns exactly one launcher process group (see ``appliance.engine.launch``). Its state is what the
-gateway routes on and what /admin and the collectors report.
+gateway routes on and what /admin and the collectors report; they see it through ``appliance.engine.contract``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.placement import Placement
+from appliance.engine.ports import tree_listens_on
 
 log = logging.getLogger(__name__)
 
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
+
+
+HEALTH_PROBE_TIMEOUT_SECONDS = 2.0
+
 
 async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
-    """One look at an engine's /health: green only on a 200 within 2 s."""
+    """One look at an engine's /health: green only on a 200 within HEALTH_PROBE_TIMEOUT_SECONDS."""
     try:
-        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        async with session.get(f"{url}/health",
+                               timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_SECONDS)) as resp:
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return False
 
 
-class ReplicaState(str, enum.Enum):
-    STARTING = "starting"  # process spawned, /health not yet green
-    READY = "ready"  # serving; the gateway routes here
-    UNHEALTHY = "unhealthy"  # process alive but /health failing; not routed
-    DRAINING = "draining"  # alive, finishing in-flight requests; not routed
-    BACKOFF = "backoff"  # crashed; waiting before the next start
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
 @dataclass
 class ReplicaSpec:
-    """Everything needed to (re)start one replica; fixed for the replica's life."""
+    """Everything needed to (re)start one replica; fixed for one engine process's life (a reload stages a new
+    one, used from the next start on)."""
 
     index: int
     port: int
@@ -56,6 +54,7 @@ class ReplicaSpec:
     log_path: Path
     start_timeout_seconds: float
     stop_timeout_seconds: float
+    host: str = "127.0.0.1"  # where the gateway reaches the engine: its bind address unless that is a wildcard
 
     @property
     def name(self) -> str:
@@ -63,33 +62,20 @@ class ReplicaSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
-@dataclass
-class ReplicaStatus:
-    """What is known about a replica now; read by the router, /admin and the collectors."""
+class SupervisedReplica:
+    """Start, watch, restart and stop one engine process. Satisfies ``appliance.engine.contract.Replica``."""
 
-    state: ReplicaState = ReplicaState.STOPPED
-    pid: int | None = None
-    starts: int = 0
-    restarts: int = 0
-    crashes: int = 0
-    last_exit_code: int | None = None
-    last_start_time: float | None = None  # unix time
-    last_ready_time: float | None = None
-    load_seconds: float | None = None  # spawn to first green /health
-    outstanding: int = 0  # requests the gateway has in flight here
-    planned_restart: bool = False  # a maintenance restart: requests may wait for it instead of failing
-    hold_when_ready: bool = False  # maintenance: come back drained (to be warmed), not straight into routing
-    consecutive_crashes: int = field(default=0, repr=False)
-
-
-class Replica:
-    """Start, watch, restart and stop one engine process."""
+    restartable = True
+    drainable = True
 
     HEALTH_INTERVAL_SECONDS = 2.0
     HEALTH_FAILURES_UNHEALTHY = 3
+    TERM_EXTRA_SECONDS = 5.0  # after SIGTERM: the engine's shutdown timeout plus this, then SIGKILL
+    KILL_WAIT_SECONDS = 5.0  # after SIGKILL: how long stop() waits for the exit before it gives up on the process
+    EXIT_POLL_SECONDS = 0.1  # how soon a dead engine leaves routing (a waitpid(WNOHANG) each time: cheap)
 
     def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
         self.spec = spec
@@ -100,6 +86,7 @@ class Replica:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
+        self._staged: ReplicaSpec | None = None
 
     @property
     def name(self) -> str:
@@ -108,6 +95,15 @@ class Replica:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def placement(self) -> Placement:
+        return self.spec.placement
+
+    @property
+    def kv_cache_space_bytes(self) -> int | None:
+        space = self.spec.env.get(KV_CACHE_SPACE_ENV)
+        return int(float(space) * 2**30) if space else None
 
     @property
     def routable(self) -> bool:
@@ -120,16 +116,21 @@ class Replica:
         self._task = asyncio.create_task(self._run(), name=f"{self.name}-lifecycle")
 
     async def stop(self) -> None:
-        """Stop the engine gracefully (vLLM's --shutdown-timeout), then kill whatever is left of its group."""
+        """Stop the engine gracefully (vLLM's --shutdown-timeout), then kill whatever is left of its group.
+
+        Never blocks the event loop, and always ends STOPPED, even when the process does not go away (it is then
+        logged and kept in ``last_error``): a replica stuck in STOPPING could never be restarted."""
         self._stopping = True
         self.status.state = ReplicaState.STOPPING
-        await self._terminate()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        self.status.state = ReplicaState.STOPPED
-        self.status.pid = None
+        try:
+            await self._terminate()
+        finally:
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+                self._task = None
+            self.status.state = ReplicaState.STOPPED
+            self.status.pid = None
 
     async def restart(self) -> None:
         """Stop and start again (maintenance); counted as a restart, not a crash."""
@@ -138,6 +139,17 @@ class Replica:
         await self.stop()
         self.status.restarts += 1
         self.start(self._session)
+
+    def stage(self, spec: ReplicaSpec) -> None:
+        """Use ``spec`` from the next start on (``appliance reload``); the running engine keeps its own."""
+        if spec.port != self.spec.port or spec.index != self.spec.index:
+            raise ValueError(f"{self.name}: a staged spec must keep index and port")
+        self._staged = spec
+
+    @property
+    def staged_spec(self) -> ReplicaSpec | None:
+        """A reloaded configuration waiting for this replica's next start."""
+        return self._staged
 
     def drain(self) -> None:
         """Take the replica out of routing; in-flight requests continue."""
@@ -152,19 +164,26 @@ class Replica:
 
     async def _run(self) -> None:
         while not self._stopping:
-            self._spawn()
-            code = await self._serve_until_exit()
-            if self._stopping:
-                return
-            self._record_crash(code)
+            try:
+                self._spawn()
+            except Exception as exc:  # noqa: BLE001 - ENOENT, ENOMEM, EACCES, ENOSPC on the log...: retry, never end
+                self._record_spawn_failure(exc)
+            else:
+                code = await self._serve_until_exit()
+                if self._stopping:
+                    return
+                self._record_crash(code)
             delay = self._next_backoff()
-            log.error("%s exited with %s; restarting in %.1fs (log: %s)", self.name, code, delay,
+            log.error("%s: %s; restarting in %.1fs (log: %s)", self.name, self.status.last_error, delay,
                       self.spec.log_path)
             self.status.state = ReplicaState.BACKOFF
             await asyncio.sleep(delay)
             self.status.restarts += 1
 
     def _spawn(self) -> None:
+        if self._staged is not None:
+            self.spec, self._staged = self._staged, None
+            log.info("%s: starting on the reloaded configuration", self.name)
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid()),
                GRACE_ENV: str(self.spec.stop_timeout_seconds)}
@@ -195,7 +214,7 @@ class Replica:
                 self._kill_group()
                 return code
             assert self._session is not None
-            healthy = await probe_health(self._session, self.url)
+            healthy = await probe_health(self._session, self.url) and await self._answers_itself()
             state = self.status.state
             if healthy:
                 failures = 0
@@ -211,7 +230,27 @@ class Replica:
                 if state is ReplicaState.STARTING and time.monotonic() - spawned > self.spec.start_timeout_seconds:
                     log.error("%s not healthy after %.0fs; killing it", self.name, self.spec.start_timeout_seconds)
                     self._kill_group()
-            await asyncio.sleep(0.5 if self.status.state is ReplicaState.STARTING else self.HEALTH_INTERVAL_SECONDS)
+            await self._sleep_unless_exit(0.5 if self.status.state is ReplicaState.STARTING
+                                          else self.HEALTH_INTERVAL_SECONDS)
+
+    async def _sleep_unless_exit(self, seconds: float) -> None:
+        """Sleep between health probes, but notice the process's exit within EXIT_POLL_SECONDS: until then the
+        gateway still routes to the replica's port, where by now anything (or anyone) may answer."""
+        assert self._proc is not None
+        deadline = time.monotonic() + seconds
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(min(self.EXIT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    async def _answers_itself(self) -> bool:
+        """The 200 came from our own engine: its process tree listens on the port (see appliance.engine.ports)."""
+        assert self._proc is not None
+        if await asyncio.to_thread(tree_listens_on, self._proc.pid, self.spec.port):
+            return True
+        message = f"port {self.spec.port} answers /health, but not from this replica's processes"
+        if self.status.last_error != message:
+            log.warning("%s: %s; not routing to it", self.name, message)
+            self.status.last_error = message
+        return False
 
     def _mark_ready(self, load_seconds: float) -> None:
         if self.status.hold_when_ready:  # maintenance warms it first, then undrains it and ends the planned restart
@@ -223,9 +262,18 @@ class Replica:
         self.status.last_ready_time = time.time()
         log.info("%s ready after %.1fs at %s", self.name, load_seconds, self.url)
 
+    def _record_spawn_failure(self, exc: Exception) -> None:
+        """The process could not even be started: counted apart from crashes, backed off like them."""
+        self._proc = None
+        self.status.pid = None
+        self.status.spawn_failures += 1
+        self.status.last_error = f"spawn failed: {type(exc).__name__}: {exc}"
+        self.status.consecutive_crashes += 1
+
     def _record_crash(self, code: int) -> None:
         self.status.crashes += 1
         self.status.last_exit_code = code
+        self.status.last_error = f"engine exited with {code}"
         stable_for = time.time() - (self.status.last_ready_time or 0)
         if self.status.last_ready_time and stable_for > self._backoff_max:
             self.status.consecutive_crashes = 0
@@ -239,17 +287,28 @@ class Replica:
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None:
-            # Only the launcher: it forwards SIGTERM to the server, which shuts its engine core down in order.
-            proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.spec.stop_timeout_seconds + 5
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-        self._kill_group()
-        if proc.poll() is None:
-            proc.wait(timeout=5)
-        self.status.last_exit_code = proc.returncode
-        self._proc = None
+        try:
+            if proc.poll() is None:
+                # Only the launcher: it forwards SIGTERM to the server, which shuts its engine core down in order.
+                proc.send_signal(signal.SIGTERM)
+                await self._wait_exit(proc, self.spec.stop_timeout_seconds + self.TERM_EXTRA_SECONDS)
+            self._kill_group()
+            if not await self._wait_exit(proc, self.KILL_WAIT_SECONDS):
+                self.status.last_error = f"pid {proc.pid} did not exit after SIGKILL; left behind"
+                log.error("%s: %s", self.name, self.status.last_error)
+            self.status.last_exit_code = proc.returncode
+        finally:
+            self._proc = None
+
+    @staticmethod
+    async def _wait_exit(proc: subprocess.Popen, seconds: float) -> bool:
+        """Poll for the exit without blocking the event loop; True once it exited (and was reaped)."""
+        deadline = time.monotonic() + seconds
+        while proc.poll() is None:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def _kill_group(self) -> None:
         """SIGKILL the launcher's whole process group: nothing of this replica may outlive it."""

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
 
-from appliance.collectors import engine_stats_env
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
+from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import detect_device, plan_placements
-from appliance.engine.replica import Replica, ReplicaSpec, ReplicaState
+from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def build_specs(settings: Settings, model: Path) -> list[ReplicaSpec]:
-    """One spec per replica: its port, its device slice, its command line and its log file."""
+def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> list[ReplicaSpec]:
+    """One spec per replica: its port, its device slice, its command line and its log file. ``extra_env`` is
+    what other parts need in every engine's environment (the collectors' engine plugin: where to write its
+    statistics); the composition root supplies it."""
     device = detect_device(settings.device)
     placements = plan_placements(
         settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
@@ -33,30 +36,38 @@ def build_specs(settings: Settings, model: Path) -> list[ReplicaSpec]:
                 index=index,
                 port=port,
                 command=launcher_command(argv),
-                env={**engine_env(placement, settings.engine),
-                     **engine_stats_env(settings.collectors, settings.state_dir)},
+                env={**engine_env(placement, settings.engine), **(extra_env or {})},
                 placement=placement,
                 log_path=settings.state_dir / "logs" / f"engine-{index}.log",
                 start_timeout_seconds=settings.engine.start_timeout_seconds,
                 stop_timeout_seconds=float(settings.engine.shutdown_timeout_seconds),
+                host=connect_host(settings.engine_host),
             )
         )
     return specs
+
+
+def connect_host(bind_host: str) -> str:
+    """The address to reach an engine bound to ``bind_host``: loopback for a wildcard bind, else the address
+    itself (an engine bound to 127.0.0.2 or a pod IP does not answer on 127.0.0.1)."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
 class Supervisor:
     """Owns the replicas. The gateway asks it which replicas exist and in which state they are."""
 
     def __init__(self, specs: list[ReplicaSpec], *, backoff_initial: float = 1.0, backoff_max: float = 60.0):
-        self.replicas = [Replica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
+        self.replicas = [SupervisedReplica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Supervisor:
+    def from_settings(cls, settings: Settings, extra_env: Mapping[str, str] | None = None) -> Supervisor:
         if settings.model is None:
             raise ValueError("no model configured: set `model` (or run `appliance up` for the demo model)")
         return cls(
-            build_specs(settings, settings.model),
+            build_specs(settings, settings.model, extra_env),
             backoff_initial=settings.restart_backoff_initial_seconds,
             backoff_max=settings.restart_backoff_max_seconds,
         )
@@ -74,5 +85,16 @@ class Supervisor:
             await self._session.close()
             self._session = None
 
-    def ready(self) -> list[Replica]:
+    def stage(self, settings: Settings) -> None:
+        """``Reconfigurable``: new specs from ``settings`` for every replica, used from its next start on. Ports,
+        placements and the replica count must not change (the reload refuses those before it gets here)."""
+        if settings.model is None:
+            raise ValueError("no model configured")
+        specs = build_specs(settings, settings.model)
+        if [s.port for s in specs] != [r.spec.port for r in self.replicas]:
+            raise ValueError("a reload cannot change the replicas' ports or count")
+        for replica, spec in zip(self.replicas, specs, strict=True):
+            replica.stage(spec)
+
+    def ready(self) -> list[SupervisedReplica]:
         return [r for r in self.replicas if r.status.state is ReplicaState.READY]

@@ -15,8 +15,10 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from appliance.gateway.errors import APIError
-from appliance.gateway.router import Outcome, Routable, Router
+from appliance.engine.contract import Replica
+from appliance.gateway.router import Outcome, Router
+from appliance.gateway.routing import RoutingRequest
+from appliance.http.errors import APIError
 
 
 class AIMDLimit:
@@ -79,14 +81,16 @@ class Admission:
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
         self._waiters: deque[asyncio.Future] = deque()
+        self._routing: dict[asyncio.Future, RoutingRequest] = {}  # queued requests' prompts, for prefix affinity
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
 
     @property
     def queue_length(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
 
-    async def acquire(self, exclude: frozenset[str] = frozenset()) -> Routable:
-        replica = self.router.try_acquire(exclude)
+    async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None
+                      ) -> Replica:
+        replica = self.router.try_acquire(exclude, request)
         if replica is not None:
             return replica
         if not self.router.any_eligible(exclude) and not self.router.capacity_expected():
@@ -97,6 +101,9 @@ class Admission:
             raise self._overloaded("gateway queue is full")
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        if request is not None:
+            self._routing[waiter] = request
+            waiter.add_done_callback(self._routing.pop)
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
         except asyncio.TimeoutError:
@@ -114,7 +121,7 @@ class Admission:
     def limit_of(self, name: str) -> int:
         return self.limits.limit_of(name)
 
-    def release(self, replica: Routable, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+    def release(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None = None) -> None:
         self.router.release(replica, outcome, ttft_seconds)
         if outcome in (Outcome.SUCCESS, Outcome.FAILURE):
             self.limits.on_sample(replica.name, ttft_seconds, failed=outcome is Outcome.FAILURE)
@@ -126,7 +133,7 @@ class Admission:
             if self._waiters[0].done():
                 self._waiters.popleft()
                 continue
-            replica = self.router.try_acquire()
+            replica = self.router.try_acquire(request=self._routing.get(self._waiters[0]))
             if replica is None:
                 return
             self._waiters.popleft().set_result(replica)

@@ -9,7 +9,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.gateway.errors import ErrorHook, error_body
+from appliance.http.errors import ErrorHook, error_body
 
 
 class BodyTooLarge(Exception):

@@ -8,13 +8,18 @@ Prometheus scrapes, by a custom collector, so it can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Iterable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.engine.replica import ReplicaState
+from appliance.engine.contract import ReplicaState
+
+if TYPE_CHECKING:
+    from appliance.gateway.admission import Admission
+    from appliance.gateway.router import Router
+    from appliance.gateway.routing.scorers import PrefixScorer
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
                    60.0, 120.0)
@@ -77,13 +82,12 @@ class RequestMetrics:
 class FleetCollector(Collector):
     """Replica and admission state, read from the live objects at scrape time."""
 
-    def __init__(self, router, admission, replicas) -> None:
+    def __init__(self, router: Router, admission: Admission) -> None:
         self._router = router
         self._admission = admission
-        self._replicas = replicas
 
     def collect(self) -> Iterable[Metric]:
-        replicas = list(self._replicas())
+        replicas = list(self._router.replicas())
         state = GaugeMetricFamily("appliance_replica_state", "1 for the state each replica is in.",
                                   labels=["replica", "state"])
         outstanding = GaugeMetricFamily("appliance_replica_outstanding_requests",
@@ -96,17 +100,17 @@ class FleetCollector(Collector):
         ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
                                         labels=["replica"])
         for replica in replicas:
-            current = getattr(replica.status, "state", None)
+            current = replica.status.state
             for candidate in ReplicaState:
                 state.add_metric([replica.name, candidate.value], 1.0 if current is candidate else 0.0)
-            outstanding.add_metric([replica.name], replica.status.outstanding)
+            outstanding.add_metric([replica.name], self._router.in_flight(replica.name))
             limit.add_metric([replica.name], self._admission.limit_of(replica.name))
             health = self._router.health_of(replica.name)
             ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
             ejections.add_metric([replica.name], health.ejections)
         yield from (state, outstanding, limit, ejected, ejections)
         yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
-                                value=sum(r.status.outstanding for r in replicas))
+                                value=self._router.in_flight())
         yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
                                 value=self._admission.queue_length)
         rejected = CounterMetricFamily("appliance_admission_rejections",
@@ -114,3 +118,51 @@ class FleetCollector(Collector):
         for reason, count in self._admission.rejected.items():
             rejected.add_metric([reason], count)
         yield rejected
+
+
+ROUTING_DURATION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RoutingMetrics:
+    """How the router decides: its cost, which scorer decided, how much prefix matched, the prefix index's size.
+
+    Labels are bounded by construction: ``policy`` is one of two names, ``decided_by`` one of
+    ``appliance.gateway.routing.DECIDERS``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram("appliance_routing_duration_seconds",
+                                  "Time the router took to choose a replica for one request (filters, scorers, "
+                                  "prompt hashing, index update).", buckets=ROUTING_DURATION_BUCKETS,
+                                  registry=registry)
+        self.decisions = Counter("appliance_routing_decisions", "Routing decisions, by policy and by the scorer "
+                                 "that separated the chosen replica from the runner-up (tie_*: a tie-breaker; "
+                                 "index: nothing did; single: one candidate).", ["policy", "decided_by"],
+                                 registry=registry)
+        self.prefix_match = Histogram("appliance_routing_prefix_match_ratio",
+                                      "Share of the prompt whose prefix was recently sent to the chosen replica.",
+                                      buckets=RATIO_BUCKETS, registry=registry)
+
+
+class PrefixIndexCollector(Collector):
+    """The prefix index's size and churn, read at scrape time from the live policy."""
+
+    def __init__(self, prefix: PrefixScorer) -> None:
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        index = self._prefix.index
+        yield GaugeMetricFamily("appliance_routing_prefix_index_entries",
+                                "Prompt blocks (per replica) in the prefix-affinity index.", value=len(index))
+        yield GaugeMetricFamily("appliance_routing_prefix_index_bytes",
+                                "Accounted memory of the prefix-affinity index (bounded by "
+                                "routing.scorers.prefix.index_bytes).", value=index.bytes)
+        yield CounterMetricFamily("appliance_routing_prefix_index_evictions",
+                                  "Blocks evicted from the prefix-affinity index to stay within its budget.",
+                                  value=index.evictions)
+        yield CounterMetricFamily("appliance_routing_prefix_yields",
+                                  "Decisions where a replica holding the prefix was passed over for its load "
+                                  "(bounded load).", value=self._prefix.yields)
+        yield CounterMetricFamily("appliance_routing_prefix_forgotten",
+                                  "Times a replica's prefix entries were dropped because it restarted or lost "
+                                  "its engine.", value=self._prefix.forgotten)

@@ -19,11 +19,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 
+from appliance.engine.contract import Replica
 from appliance.gateway.admission import Admission
-from appliance.gateway.errors import APIError, error_body
 from appliance.gateway.metrics import COUNTED, RequestMetrics
-from appliance.gateway.router import Outcome, Routable
+from appliance.gateway.router import Outcome
+from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.tracing import RequestTrace
+from appliance.http.errors import APIError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Exchange:
     trace: RequestTrace
     request: Request
     tried: set[str] = field(default_factory=set)
+    routing: RoutingRequest | None = None  # the prompt, for prefix affinity
     dispatched: float = 0.0  # monotonic: when a replica was assigned (after any gateway queueing)
 
 
@@ -80,11 +83,11 @@ class Upstream:
             self._session = None
 
     async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
-                      arrived: float) -> Response:
+                      arrived: float, prompt: str | None = None) -> Response:
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
-                            request=request)
+                            request=request, routing=None if prompt is None else RoutingRequest(prompt))
         try:
             response = await self._forward_with_retry(exchange)
         except APIError as exc:
@@ -111,19 +114,22 @@ class Upstream:
                     break
         raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
 
-    async def _admit(self, exchange: Exchange) -> Routable:
+    async def _admit(self, exchange: Exchange) -> Replica:
         span = exchange.trace.child("gateway.queue_wait")
         queued_at = time.monotonic()
         try:
-            replica = await self.admission.acquire(frozenset(exchange.tried))
+            replica = await self.admission.acquire(frozenset(exchange.tried), exchange.routing)
             exchange.dispatched = time.monotonic()
         finally:
             self.metrics.queue_wait.observe(time.monotonic() - queued_at)
             span.end()
         exchange.trace.root.set_attribute("appliance.replica", replica.name)
+        if exchange.routing is not None and exchange.routing.decision is not None:
+            exchange.trace.root.set_attribute("appliance.routing.score", exchange.routing.decision.score)
+            exchange.trace.root.set_attribute("appliance.routing.decided_by", exchange.routing.decision.decided_by)
         return replica
 
-    async def _send(self, replica: Routable, exchange: Exchange) -> Response:
+    async def _send(self, replica: Replica, exchange: Exchange) -> Response:
         assert self._session is not None, "Upstream.open() not called"
         span = exchange.trace.child("gateway.upstream", trace.SpanKind.CLIENT, **{"appliance.replica": replica.name})
         headers = exchange.trace.propagate(span, dict(exchange.headers))
@@ -152,7 +158,7 @@ class Upstream:
             )
         return await self._read_whole(upstream, replica, exchange, span)
 
-    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
                           span: trace.Span) -> Response:
         outcome = Outcome.ABORTED
         try:
@@ -173,7 +179,7 @@ class Upstream:
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers={"x-appliance-replica": replica.name})
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Routable, exchange: Exchange,
+    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
                      span: trace.Span) -> AsyncIterator[bytes]:
         """Yield the engine's SSE bytes as they arrive; a client disconnect closes the upstream connection,
         which makes vLLM abort the request."""

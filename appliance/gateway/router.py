@@ -1,42 +1,32 @@
-"""Which replica gets the next request, and which replicas are taken out of the rotation.
+"""Which replica gets the next request, and the gateway's bookkeeping of what it sent where.
 
-Policy: among ready, non-ejected replicas under their concurrency limit, the one with the fewest outstanding
-requests; ties go to the lower KV-cache usage, then the shorter engine queue (both read from each engine's
-/metrics; stale readings count as unknown), then the lower index. Outstanding counts are the gateway's own:
-exact, no polling lag.
-
-Passive outlier ejection: a replica with ``eject_consecutive_failures`` failures in a row, or whose average TTFT
-is an outlier against its peers, is ejected for a doubling backoff period; when the period ends it is probed
-(its /metrics must answer) before it returns.
+Routing is a pipeline (``appliance.gateway.routing``): filters (routable, not already tried, not ejected, under
+its concurrency limit), then a policy: weighted scorers (in-flight requests, KV-cache usage, engine queue, prefix
+affinity) or round robin, from ``routing.scorers``. The defaults choose as the older fixed policy did (fewest
+outstanding, then lower KV usage, then shorter queue, then lower index) unless a replica was recently sent the
+same prompt prefix. Outstanding counts are the gateway's own: exact, no polling lag. Engine readings count as
+unknown when stale, or when they contradict those counts (the engine says idle while the gateway has had a
+request in flight there since before the reading). Ejection is ``appliance.gateway.ejection``.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from prometheus_client import CollectorRegistry
+
+from appliance.engine.contract import Replica
+from appliance.engine.load import EngineLoad
+from appliance.gateway.ejection import Ejector, ReplicaHealth
+from appliance.gateway.metrics import PrefixIndexCollector, RoutingMetrics
+from appliance.gateway.routing import RoutingRequest, build_policy
+from appliance.gateway.routing.filters import ELIGIBLE, WITH_ROOM, passing
 from appliance.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
-
-
-class Routable(Protocol):
-    """What the router needs of a replica; the supervisor's Replica satisfies it, and so do test doubles."""
-
-    name: str
-    url: str
-
-    @property
-    def routable(self) -> bool: ...
-
-    @property
-    def status(self): ...  # has an ``outstanding`` int
 
 
 class Outcome(enum.Enum):
@@ -46,142 +36,146 @@ class Outcome(enum.Enum):
     ABORTED = "aborted"  # the client went away or the request never reached the replica
 
 
-@dataclass
-class EngineLoad:
-    """A reading of an engine's own metrics."""
-
-    kv_cache_usage: float | None = None  # 0..1
-    waiting: float | None = None
-    running: float | None = None
-    prompt_tokens_total: float | None = None  # counters: rates are taken by whoever needs them
-    generation_tokens_total: float | None = None
-    read_at: float = -math.inf  # monotonic
-
-
-@dataclass
-class ReplicaHealth:
-    consecutive_failures: int = 0
-    ejections: int = 0
-    ejected_until: float | None = None  # monotonic; None = in rotation
-    reason: str = ""
-    ttft_ewma: float | None = None
-
-    @property
-    def ejected(self) -> bool:
-        return self.ejected_until is not None
-
-
 class Router:
-    TTFT_EWMA_ALPHA = 0.2
-
     def __init__(
         self,
-        replicas: Callable[[], Sequence[Routable]],
+        replicas: Callable[[], Sequence[Replica]],
         routing: RoutingSettings | None = None,
         *,
         limit_for: Callable[[str], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._replicas = replicas
         self.routing = routing or RoutingSettings()
         self._limit_for = limit_for or (lambda _name: 1 << 30)
         self._clock = clock
-        self.health: dict[str, ReplicaHealth] = {}
+        self.ejector = Ejector(self.routing, clock)
+        self.outstanding: dict[str, int] = {}  # requests in flight per replica, as the gateway sent them
         self.load: dict[str, EngineLoad] = {}
+        self._busy_since: dict[str, float] = {}  # when each replica's in-flight count last rose from 0
+        self.policy = build_policy(self.routing.scorers)
+        registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = RoutingMetrics(registry)
+        if self.policy.prefix is not None:
+            registry.register(PrefixIndexCollector(self.policy.prefix))
 
-    def replicas(self) -> Sequence[Routable]:
+    # -- views --------------------------------------------------------------------------------------------------
+
+    def replicas(self) -> Sequence[Replica]:
         return self._replicas()
 
-    def health_of(self, name: str) -> ReplicaHealth:
-        return self.health.setdefault(name, ReplicaHealth())
+    def in_flight(self, name: str | None = None) -> int:
+        """Requests in flight at one replica, or at all of them."""
+        if name is None:
+            return sum(self.outstanding.values())
+        return self.outstanding.get(name, 0)
 
-    def eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Routable]:
-        return [r for r in self._replicas()
-                if r.routable and r.name not in exclude and not self.health_of(r.name).ejected]
+    def health_of(self, name: str) -> ReplicaHealth:
+        return self.ejector.health_of(name)
+
+    def loads(self) -> Mapping[str, EngineLoad]:
+        return self.load
+
+    def eligible(self, exclude: Collection[str] = frozenset()) -> list[Replica]:
+        return passing(self._replicas(), self, exclude, ELIGIBLE)
 
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return bool(self.eligible(exclude))
 
     def capacity_expected(self) -> bool:
         """A replica is down for a planned restart and will be back: worth queueing for, not a 503."""
-        return any(getattr(r.status, "planned_restart", False) for r in self._replicas())
+        return any(r.status.planned_restart for r in self._replicas())
 
-    def try_acquire(self, exclude: frozenset[str] | set[str] = frozenset()) -> Routable | None:
-        """The best replica with room under its limit, its outstanding count already taken; or None."""
-        candidates = [r for r in self.eligible(exclude) if r.status.outstanding < self._limit_for(r.name)]
+    # -- routing ------------------------------------------------------------------------------------------------
+
+    def try_acquire(self, exclude: Collection[str] = frozenset(),
+                    request: RoutingRequest | None = None) -> Replica | None:
+        """The best replica with room under its limit, its outstanding count already taken; or None.
+        ``request`` carries the prompt for prefix affinity (None: route by load alone); its ``decision`` is set."""
+        started = time.perf_counter()
+        replicas = self._replicas()
+        self.policy.observe(replicas)
+        candidates = passing(replicas, self, exclude, WITH_ROOM)
         if not candidates:
             return None
-        chosen = min(candidates, key=self._rank)
-        chosen.status.outstanding += 1
+        decision = self.policy.choose(candidates, self, request)
+        chosen = next(r for r in candidates if r.name == decision.replica)
+        self._take(chosen.name)
+        self.metrics.duration.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(self.policy.name, decision.decided_by).inc()
+        if decision.prefix_match is not None and request is not None and request.prompt:
+            self.metrics.prefix_match.observe(decision.prefix_match)
+        if request is not None:
+            request.decision = decision
         return chosen
 
-    def release(self, replica: Routable, outcome: Outcome, ttft_seconds: float | None = None) -> None:
-        if replica.status.outstanding <= 0:  # a bug if it happens: the drain and the limits rely on this count
+    def _take(self, name: str) -> None:
+        count = self.in_flight(name)
+        if count == 0:
+            self._busy_since[name] = self._clock()
+        self.outstanding[name] = count + 1
+
+    def release(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+        count = self.in_flight(replica.name)
+        if count <= 0:  # a bug if it happens: the drain and the limits rely on this count
             log.error("release of %s with no request outstanding (%s)", replica.name, outcome.value)
         else:
-            replica.status.outstanding -= 1
-        health = self.health_of(replica.name)
+            self.outstanding[replica.name] = count - 1
+            if count == 1:
+                self._busy_since.pop(replica.name, None)
         if outcome is Outcome.FAILURE:
-            health.consecutive_failures += 1
-            if health.consecutive_failures >= self.routing.eject_consecutive_failures:
-                self.eject(replica.name, f"{health.consecutive_failures} consecutive failures")
+            self.ejector.failure(replica.name)
         elif outcome is Outcome.SUCCESS:
-            health.consecutive_failures = 0
-            if ttft_seconds is not None:
-                self._record_ttft(replica.name, health, ttft_seconds)
+            self.ejector.success(replica.name, ttft_seconds, (r.name for r in self.eligible()))
 
     def eject(self, name: str, reason: str) -> None:
-        health = self.health_of(name)
-        if health.ejected:
-            return
-        period = min(self.routing.eject_max_seconds, self.routing.eject_base_seconds * 2 ** health.ejections)
-        health.ejections += 1
-        health.ejected_until = self._clock() + period
-        health.reason = reason
-        log.warning("ejecting %s for %.0fs: %s", name, period, reason)
+        self.ejector.eject(name, reason)
 
     def due_for_probe(self) -> list[str]:
-        """Ejected replicas whose period is over: they return only after a successful probe."""
-        now = self._clock()
-        return [name for name, h in self.health.items() if h.ejected and h.ejected_until <= now]
+        return self.ejector.due_for_probe()
 
     def probe_result(self, name: str, ok: bool) -> None:
-        health = self.health_of(name)
-        if not health.ejected:
-            return
-        if ok:
-            log.info("%s passed its probe; back in rotation", name)
-            health.ejected_until = None
-            health.consecutive_failures = 0
-            health.ttft_ewma = None  # judge it afresh
-        else:
-            health.ejected_until = None
-            self.eject(name, f"probe failed after: {health.reason}")
+        self.ejector.probe_result(name, ok)
+
+    # -- engine readings ----------------------------------------------------------------------------------------
+
+    def poll_targets(self) -> list[Replica]:
+        """Replicas whose /metrics is worth reading: routable ones, and ejected ones due for their probe."""
+        due = set(self.ejector.due_for_probe())
+        return [r for r in self._replicas() if r.routable or r.name in due]
 
     def update_load(self, name: str, load: EngineLoad) -> None:
         self.load[name] = load
 
-    def _fresh_load(self, name: str) -> EngineLoad:
+    def observe_reading(self, name: str, load: EngineLoad | None) -> None:
+        """One poll of a replica's /metrics (None: it did not answer); for an ejected replica it is the probe."""
+        if load is not None:
+            self.update_load(name, load)
+        if name in self.ejector.due_for_probe():
+            self.ejector.probe_result(name, ok=load is not None)
+
+    # -- the view filters and scorers read (appliance.gateway.routing.view.RoutingView) -------------------------
+
+    def limit_of(self, name: str) -> int:
+        return self._limit_for(name)
+
+    def is_ejected(self, name: str) -> bool:
+        return self.ejector.is_ejected(name)
+
+    def engine_load(self, name: str) -> EngineLoad | None:
         load = self.load.get(name)
         if load is None or self._clock() - load.read_at > self.routing.metrics_stale_seconds:
-            return EngineLoad()
+            return None
+        if self._lagging(name, load):
+            return None
         return load
 
-    def _rank(self, replica: Routable) -> tuple:
-        load = self._fresh_load(replica.name)
-        # Unknown readings rank in the middle: neither preferred nor avoided.
-        kv = 0.5 if load.kv_cache_usage is None else load.kv_cache_usage
-        waiting = 0.0 if load.waiting is None else load.waiting
-        return (replica.status.outstanding, round(kv, 2), waiting)
-
-    def _record_ttft(self, name: str, health: ReplicaHealth, ttft: float) -> None:
-        a = self.TTFT_EWMA_ALPHA
-        health.ttft_ewma = ttft if health.ttft_ewma is None else (1 - a) * health.ttft_ewma + a * ttft
-        peers = [self.health_of(r.name).ttft_ewma for r in self.eligible() if r.name != name]
-        peers = [p for p in peers if p is not None]
-        if not peers:
-            return  # an outlier needs peers to be an outlier against; never eject the last replica
-        median = statistics.median(peers)
-        if (health.ttft_ewma > self.routing.latency_outlier_factor * median
-                and health.ttft_ewma - median > self.routing.latency_outlier_min_seconds):
-            self.eject(name, f"TTFT outlier: {health.ttft_ewma:.2f}s vs peers' median {median:.2f}s")
+    def _lagging(self, name: str, load: EngineLoad) -> bool:
+        """The engine reports nothing running or waiting, yet the gateway has had a request in flight there since
+        well before the reading (more than one poll interval): its gauges lag (seen with vLLM's CPU build on two
+        loaded cores), so the rest of the reading cannot be trusted either."""
+        busy_since = self._busy_since.get(name)
+        if busy_since is None or load.read_at - busy_since <= self.routing.metrics_poll_seconds:
+            return False
+        return not (load.running or 0) and not (load.waiting or 0)

@@ -18,12 +18,11 @@ from urllib.parse import urlsplit
 import aiohttp
 from tqdm import tqdm
 
+from appliance.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from appliance.loadtest.client import RequestResult, build_body, endpoint_url, monotonic_clock, stream_request
 from appliance.loadtest.load import LoadRun, LoadSpec, run_load
 from appliance.loadtest.prompts import Prompt
 from appliance.loadtest.stats import Decision, combine, decide, summarize
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class BenchError(Exception):

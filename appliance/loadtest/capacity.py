@@ -166,7 +166,9 @@ class CapacitySearch:
         summary["early_stop"] = early
         verdict, reason = _probe_verdict(summary, bottleneck)
         if early and not bottleneck:
-            verdict, reason = "fail", f"{early}; {reason}"
+            # The partial sample's own decision ("unresolved", "fewer than the minimum") would contradict the
+            # verdict: the early-stop rule is what decided, so it is the reason, with the P95s seen so far.
+            verdict, reason = "fail", f"{early} ({_p95s(summary)} so far)"
         probe = Probe(probe_id, concurrency, stage, verdict, reason, batches, summary, client)
         self.run.probes.append(probe)
         self.log(f"probe {probe_id}: C={concurrency} ({stage}) -> {verdict}: {reason}")
@@ -296,6 +298,10 @@ def _probe_verdict(summary: dict[str, Any], bottleneck: str | None) -> tuple[str
     if errors["count"]:
         parts.append(f"{errors['count']} errors ({', '.join(f'{k}: {v}' for k, v in errors['by_kind'].items())})")
     return sla["verdict"], "; ".join(parts)
+
+
+def _p95s(summary: dict[str, Any]) -> str:
+    return ", ".join(f"{m} P95 {_ms(summary['latency_s'][m]['p95'])}" for m in summary["sla"]["decisions"])
 
 
 def _ms(seconds: float | None) -> str:

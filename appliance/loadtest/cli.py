@@ -16,61 +16,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance.cli.argtypes import (
+    confidence,
+    fraction,
+    int_list,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from appliance.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from appliance.loadtest.plan import KV_DTYPES  # standard library only, like the rest of the planner
+
 if TYPE_CHECKING:  # the handlers import these when they run: `appliance status` need not load aiohttp
     from appliance.loadtest.bench import SLO, PromptSource, Target
     from appliance.loadtest.capacity import CapacityRun
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 API_KEY_ENV = ("APPLIANCE_API_KEY", "OPENAI_API_KEY")
-
-
-# --- argument types: bad values are argparse errors (exit 2, usage line, no traceback) --------------------------
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a positive number")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    return 0.0 if text.strip() in ("0", "0.0") else positive_float(text)
-
-
-def fraction(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{value} must be within (0, 1]")
-    return value
-
-
-def confidence(text: str) -> float:
-    value = fraction(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"{value} must be below 1")
-    return value
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    return tuple(positive_int(part) for part in text.split(",") if part.strip())
 
 
 # --- registration -------------------------------------------------------------------------------------------------
@@ -96,11 +58,20 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--max-len", type=positive_int, required=True, help="max model length (prompt + output)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "int8", "fp8"],
                    help="weights; auto: int8 for a quantized checkpoint, else bf16")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8"])
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
-    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES,
+                   help="KV cache dtype planned with (both 16-bit and fp8 are shown); default engine.kv_cache_dtype "
+                        "from --config / APPLIANCE_ENGINE__KV_CACHE_DTYPE; auto: the weights' activation dtype")
+    p.add_argument("--config", type=Path, help="YAML settings file read for engine.kv_cache_dtype")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="fraction of device memory vLLM may use (GPU)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="GPUs per replica")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu", help="where the engine runs")
+    p.add_argument("--gpu-name", help="GPU model, e.g. 'NVIDIA A100-SXM4-80GB': vLLM's default tokens per step "
+                                      "depend on it (A100s get 2048 where other 70+ GiB GPUs get 8192)")
+    p.add_argument("--block-size", type=positive_int,
+                   help="paged KV-cache block size in tokens (default vLLM's: 16 on GPUs, 128 on CPUs)")
+    p.add_argument("--os-reserve-gib", type=non_negative_float,
+                   help="CPU: RAM left to the operating system (default 10%% of --memory-gib, at least 2 GiB)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (default: vLLM's)")
     p.add_argument("--max-num-seqs-cap", type=positive_int, default=256, help="upper bound on --max-num-seqs")
     p.add_argument("--typical-len", type=positive_int, help="size --max-num-seqs for this length (default max-len)")
@@ -114,7 +85,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name to send")
     p.add_argument("--out", type=Path, required=True, help="output folder for the reports")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="which OpenAI endpoint to load")
     p.add_argument("--api-key", default=None, help=f"bearer token (default: ${' or $'.join(API_KEY_ENV)})")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="synthetic prompt length in tokens")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request")
@@ -122,7 +94,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", type=Path, help="local HF tokenizer dir (default: the server's /tokenize)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers other than vLLM); outputs may end early")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt and arrival sampling")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--max-lag-ms", type=positive_float, default=50.0,
                    help="refuse to report when the client's P99 scheduling lag exceeds this")
@@ -141,19 +113,19 @@ def _add_bench(sub: Any) -> None:
     size.add_argument("--duration", type=positive_float, help="measured seconds")
     p.add_argument("--warmup", type=non_negative_int, help="excluded first requests (default: C, or 1 s of arrivals)")
     p.add_argument("--max-inflight", type=positive_int, help="open loop: cap on requests in flight (queue beyond)")
-    p.add_argument("--slo-ttft-p95-ms", type=positive_float)
-    p.add_argument("--slo-e2e-p95-ms", type=positive_float)
+    p.add_argument("--slo-ttft-p95-ms", type=positive_float, help="judge the run against this P95 TTFT")
+    p.add_argument("--slo-e2e-p95-ms", type=positive_float, help="the SLA's P95 end-to-end latency, if any")
     p.set_defaults(handler=cmd_bench)
 
 
 def _add_capacity(sub: Any) -> None:
     p = sub.add_parser("capacity", help="max concurrency whose P95 meets the SLA, then an optional soak")
     _add_target(p)
-    p.add_argument("--slo-ttft-p95-ms", type=positive_float, required=True)
-    p.add_argument("--slo-e2e-p95-ms", type=positive_float)
+    p.add_argument("--slo-ttft-p95-ms", type=positive_float, required=True, help="the SLA: P95 time to first token")
+    p.add_argument("--slo-e2e-p95-ms", type=positive_float, help="the SLA's P95 end-to-end latency, if any")
     p.add_argument("--soak-minutes", type=non_negative_float, default=0.0, help="soak at the answer (0: none)")
     p.add_argument("--soak-window-s", type=positive_float, help="soak window (default: soak/30, at least 10 s)")
-    p.add_argument("--max-concurrency", type=positive_int, default=256)
+    p.add_argument("--max-concurrency", type=positive_int, default=256, help="stop doubling here")
     p.add_argument("--requests-per-probe", type=positive_int, default=100,
                    help="measured requests per probe (at least 3 per concurrent worker)")
     p.add_argument("--max-requests-per-probe", type=positive_int, default=400,
@@ -180,16 +152,18 @@ def _fail(command: str, message: str, code: int) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from appliance.loadtest.plan import PlanError, PlanInputs, load_shape, make_plan, render_plan
+    from appliance.settings import ConfigError, load_settings
 
     try:
+        kv_dtype = args.kv_dtype or load_settings(args.config).engine.kv_cache_dtype
         shape = load_shape(args.model_config, args.model_size)
         plan = make_plan(shape, PlanInputs(
-            memory_gib=args.memory_gib, max_len=args.max_len, dtype=args.dtype, kv_dtype=args.kv_dtype,
+            memory_gib=args.memory_gib, max_len=args.max_len, dtype=args.dtype, kv_dtype=kv_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
             device=args.device, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs_cap=args.max_num_seqs_cap, typical_len=args.typical_len, context_lens=args.context_lens,
-            reserve_gib=args.reserve_gib))
-    except PlanError as exc:
+            reserve_gib=args.reserve_gib, gpu_name=args.gpu_name, os_reserve_gib=args.os_reserve_gib))
+    except (PlanError, ConfigError) as exc:
         return _fail("plan", str(exc), EXIT_USAGE)
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))

@@ -8,57 +8,12 @@ parses. The JSON report is written last and lists the other files: when it exist
 from __future__ import annotations
 
 import io
-import json
-import math
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from appliance.files import atomic_write_bytes, atomic_write_json, atomic_write_jsonl, atomic_write_text
 from appliance.loadtest.client import RequestResult
-
-# --- atomic files ----------------------------------------------------------------------------------------------
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` via a same-folder temporary file, fsync and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _clean(value: Any) -> Any:
-    """JSON has no NaN or infinity: they become null rather than invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
-
-
-def atomic_write_json(path: Path, data: Any) -> Path:
-    return atomic_write_text(path, json.dumps(_clean(data), indent=2, sort_keys=False) + "\n")
-
-
-def atomic_write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
-    return atomic_write_text(path, "".join(json.dumps(_clean(row)) + "\n" for row in rows))
-
 
 # --- formatting ------------------------------------------------------------------------------------------------
 

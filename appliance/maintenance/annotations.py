@@ -1,8 +1,9 @@
 """Grafana annotations of maintenance actions, so a restart shows up on every dashboard's time line.
 
 One POST to Grafana's HTTP API (``/api/annotations``) per action, in the background: a failure (Grafana down, a
-bad token) is logged and counted, and never reaches the action it describes. httpx, already the gateway's client,
-does it in a few lines; a Grafana client library would bring its own HTTP stack into the engines' environment.
+bad token) is logged and counted, and never reaches the action it describes. aiohttp, the server's one async
+HTTP client, does it in a few lines; a Grafana client library would bring its own HTTP stack into the engines'
+environment.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +22,12 @@ class Annotator:
     """Posts annotations when a Grafana URL is configured; a no-op otherwise."""
 
     def __init__(self, url: str | None, token: str | None = None, token_file: Path | None = None, *,
-                 timeout_seconds: float = 5.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout_seconds: float = 5.0) -> None:
         self.enabled = bool(url)
         self._url = (url or "").rstrip("/")
         self._token = token
         self._token_file = token_file
-        self._timeout = timeout_seconds
-        self._transport = transport
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._tasks: set[asyncio.Task] = set()
         self.failures = 0
 
@@ -46,10 +46,10 @@ class Annotator:
 
     async def _post(self, body: dict) -> None:
         try:
-            async with httpx.AsyncClient(timeout=self._timeout, transport=self._transport) as client:
-                response = await client.post(f"{self._url}/api/annotations", json=body, headers=self._headers())
+            async with aiohttp.ClientSession(timeout=self._timeout) as session, \
+                    session.post(f"{self._url}/api/annotations", json=body, headers=self._headers()) as response:
                 response.raise_for_status()
-        except (httpx.HTTPError, OSError) as exc:  # annotations are best effort by design
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # best effort by design
             self.failures += 1
             log.warning("Grafana annotation failed (%s): %s", type(exc).__name__, exc)
 

@@ -1,6 +1,10 @@
 """The one place maintenance actions go through, whoever asks (admin API, schedule, alert webhook).
 
-It serialises them (one rolling restart at a time, never two restarts of one replica), and records each one the
+It serialises them (one rolling restart at a time, never two restarts of one replica, restarts asked for by
+alerts one at a time), and it is the one place that keeps routable capacity: no drain or restart, whoever asks,
+may leave fewer than ``min_ready_replicas`` replicas routable (capped at replicas - 1, so that a single-replica
+appliance can still be restarted: its requests wait in the queue meanwhile). Alerts can be forged by anyone who
+reaches Alertmanager, so this guard sits here, under every path, not in the webhook. It records each action the
 same way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown
 by /admin/status.
 """
@@ -12,12 +16,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import aiohttp
 
-from appliance.gateway.errors import APIError
+from appliance.engine.contract import Replica
 from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.errors import BelowMinReady, MaintenanceBusy, NotSupervised, ReplicaNotFound
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import Outcome, RestartProcedure, RollingRestart
 
@@ -35,7 +39,7 @@ class ActionRecord:
 
 
 class MaintenanceController:
-    def __init__(self, replicas: Callable[[], Sequence[Any]], procedure: RestartProcedure, *, min_ready: int,
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
                  metrics: MaintenanceMetrics, annotator: Annotator | None = None,
                  is_hung: Callable[[str], bool] = lambda _name: False) -> None:
         self._replicas = replicas
@@ -68,30 +72,36 @@ class MaintenanceController:
     # -- actions ----------------------------------------------------------------------------------------------
 
     def start_rolling_restart(self, trigger: str, reason: str = "") -> asyncio.Task:
-        """Run a rolling restart in the background; APIError 409 if maintenance is already under way."""
+        """Run a rolling restart in the background; MaintenanceBusy if maintenance is already under way."""
         self._check_supervised(self._replicas())
         if self.busy:
-            raise APIError(409, "a restart is already in progress", code="maintenance_in_progress")
+            raise MaintenanceBusy("a restart is already in progress")
         self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=self.min_ready,
                                       on_replica=lambda r, o: self._replica_done(r, o, trigger))
         return self._spawn(self._rolling(trigger, reason), "rolling-restart")
 
     def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task:
-        """Drain, restart, warm and undrain one replica in the background; 404/409 as APIError."""
+        """Drain, restart, warm and undrain one replica in the background (ReplicaNotFound, MaintenanceBusy,
+        NotSupervised when it cannot)."""
         replica = self.replica(name)
         self._check_supervised([replica])
         if self.rolling is not None or name in self.restarting:
-            raise APIError(409, f"{name} is already being restarted", code="maintenance_in_progress")
+            raise MaintenanceBusy(f"{name} is already being restarted")
+        if trigger == "alert" and self.restarting:
+            busy = ", ".join(sorted(self.restarting))
+            raise MaintenanceBusy(f"restarts asked for by alerts run one at a time; {busy} is being restarted")
+        self._check_capacity(replica, "restart")
         self.restarting.add(name)
         return self._spawn(self._restart(replica, trigger, reason), f"restart-{name}")
 
-    def drain(self, name: str, trigger: str) -> Any:
+    def drain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
+        self._check_capacity(replica, "drain")
         replica.drain()
         self.record("drain", trigger, "ok", replica=name)
         return replica
 
-    def undrain(self, name: str, trigger: str) -> Any:
+    def undrain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
         replica.undrain()
         self.record("undrain", trigger, "ok", replica=name)
@@ -112,11 +122,14 @@ class MaintenanceController:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.annotator.flush()
 
-    def replica(self, name: str) -> Any:
+    def replicas(self) -> Sequence[Replica]:
+        return self._replicas()
+
+    def replica(self, name: str) -> Replica:
         for replica in self._replicas():
             if replica.name == name:
                 return replica
-        raise APIError(404, f"no replica named '{name}'", param="name", code="replica_not_found")
+        raise ReplicaNotFound(f"no replica named '{name}'")
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -134,7 +147,7 @@ class MaintenanceController:
         self.record("rolling_restart", trigger, outcome.result, detail=outcome.detail)
         return outcome
 
-    async def _restart(self, replica: Any, trigger: str, reason: str) -> Outcome:
+    async def _restart(self, replica: Replica, trigger: str, reason: str) -> Outcome:
         try:
             # A hung replica's requests will not finish: waiting out the drain timeout would only delay the fix.
             outcome = await self.procedure.run(replica, drain_seconds=0 if self.is_hung(replica.name) else None)
@@ -147,7 +160,7 @@ class MaintenanceController:
         self._replica_done(replica, Outcome(outcome.result, detail, outcome.restarted), trigger)
         return outcome
 
-    def _replica_done(self, replica: Any, outcome: Outcome, trigger: str) -> None:
+    def _replica_done(self, replica: Replica, outcome: Outcome, trigger: str) -> None:
         if outcome.result == "ok":
             self.last_restart[replica.name] = time.time()
         self.record("restart", trigger, outcome.result, replica=replica.name, detail=outcome.detail)
@@ -158,17 +171,33 @@ class MaintenanceController:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def min_ready_for(self, replica_count: int) -> int:
+        """``min_ready_replicas``, capped at replicas - 1 (a single replica may still be restarted)."""
+        return max(0, min(self.min_ready, replica_count - 1))
+
+    def _check_capacity(self, replica: Replica, action: str) -> None:
+        """BelowMinReady if taking ``replica`` out of routing leaves fewer than the minimum routable. Replicas
+        being restarted count as gone already: their drain may not have run yet."""
+        if not replica.routable or replica.name in self.restarting:
+            return  # it is not routable capacity now: acting on it takes none away
+        replicas = list(self._replicas())
+        needed = self.min_ready_for(len(replicas))
+        left = sum(1 for r in replicas if r is not replica and r.routable and r.name not in self.restarting)
+        if left < needed:
+            raise BelowMinReady(f"{action} of {replica.name} refused: it would leave {left} routable replica(s) "
+                                f"and maintenance.min_ready_replicas needs {needed}")
+
     @staticmethod
-    def _check_supervised(replicas: Sequence[Any]) -> None:
+    def _check_supervised(replicas: Sequence[Replica]) -> None:
         for replica in replicas:
-            if not hasattr(replica, "restart"):
-                raise APIError(409, f"{replica.name} is not supervised by this appliance", code="not_supervised")
+            if not replica.restartable:
+                raise NotSupervised(f"{replica.name} is not supervised by this appliance")
 
 
 def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float = 30.0):
     """One small completion straight to the replica (it is not routable yet); True on a 200."""
 
-    async def warm(replica: Any) -> bool:
+    async def warm(replica: Replica) -> bool:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as session, \

@@ -76,7 +76,7 @@ def process_memory_reader(replicas, stats_dir, *, max_age_seconds: float) -> Cal
     """Readings from the replicas' process trees and the engine plugin's allocator files."""
     from appliance.collectors.memory import AllocatorStatsReader
     from appliance.collectors.procs import ProcessTable
-    from appliance.engine.replica import ReplicaState
+    from appliance.engine.contract import ReplicaState
 
     table = ProcessTable(replicas)
     reader = AllocatorStatsReader(stats_dir, max_age_seconds=max_age_seconds)

@@ -7,7 +7,7 @@ live objects at scrape time like the gateway's fleet metrics.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -16,21 +16,32 @@ from prometheus_client.registry import Collector
 ACTIONS = ("drain", "undrain", "restart", "rolling_restart")
 TRIGGERS = ("admin", "schedule", "alert")
 RESULTS = ("ok", "failed", "aborted", "dry_run", "rate_limited", "skipped")
+OTHER_ALERT = "other"  # every alert name off the whitelist: anyone who reaches Alertmanager can invent names
+HEARTBEAT_ALERT = "Watchdog"  # always firing: its arrival, by name, proves the alerting pipeline end to end
 
 
 class MaintenanceMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """Every label takes values from a known set: the alert name is the whitelist's or ``other``, so forged or
+    unusual alerts cannot grow the series count (2,000 invented names once made 4,000 series)."""
+
+    def __init__(self, registry: CollectorRegistry, known_alerts: Collection[str] = ()) -> None:
+        self.known_alerts = frozenset(known_alerts) | {HEARTBEAT_ALERT}
         self.actions = Counter(
             "appliance_maintenance_actions", "Maintenance actions by action, what triggered them and their result "
             "(ok, failed, aborted, dry_run, rate_limited, skipped).", ["action", "trigger", "result"],
             registry=registry)
         self.alerts = Counter(
-            "appliance_alert_webhook_alerts", "Alerts received on the Alertmanager webhook, by alert name, status "
-            "and what the webhook decided (the whitelisted action, none, or duplicate).",
+            "appliance_alert_webhook_alerts", "Alerts received on the Alertmanager webhook, by alert name "
+            "(whitelisted names and Watchdog; every other one is 'other') and status, and what the webhook "
+            "decided (the whitelisted action, none, or duplicate).",
             ["alertname", "status", "action"], registry=registry)
 
     def action(self, action: str, trigger: str, result: str) -> None:
         self.actions.labels(action, trigger, result).inc()
+
+    def alert(self, alertname: str, status: str, action: str) -> None:
+        """``status`` is firing|resolved and ``action`` the whitelist's or none|duplicate (validated upstream)."""
+        self.alerts.labels(alertname if alertname in self.known_alerts else OTHER_ALERT, status, action).inc()
 
 
 class MaintenanceCollector(Collector):

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from appliance.gateway.router import EngineLoad
+from appliance.engine.load import EngineLoad
 
 log = logging.getLogger(__name__)
 

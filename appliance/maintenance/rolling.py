@@ -20,11 +20,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from appliance.engine.contract import Replica, ReplicaStatus
 
 log = logging.getLogger(__name__)
 
-Warmer = Callable[[Any], Awaitable[bool]]
+Warmer = Callable[[Replica], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,17 @@ class Outcome:
 class RestartProcedure:
     """Restart one replica so that no request fails because of it."""
 
-    def __init__(self, timeouts: RestartTimeouts, warm: Warmer, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, timeouts: RestartTimeouts, warm: Warmer, *,
+                 in_flight: Callable[[str], int] = lambda _name: 0, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """``in_flight(name)``: the requests the gateway has in flight at a replica (its drain waits for 0)."""
         self.timeouts = timeouts
         self._warm = warm
+        self._in_flight = in_flight
         self._clock = clock
         self._sleep = sleep
 
-    async def run(self, replica: Any, *, drain_seconds: float | None = None) -> Outcome:
+    async def run(self, replica: Replica, *, drain_seconds: float | None = None) -> Outcome:
         """``drain_seconds`` overrides the drain timeout (0 for a hung replica: its requests will not finish)."""
         status = replica.status
         status.planned_restart = True
@@ -61,10 +65,10 @@ class RestartProcedure:
         try:
             replica.drain()
             drain = self.timeouts.drain_seconds if drain_seconds is None else drain_seconds
-            left = await self.wait_until(lambda: status.outstanding == 0, drain)
+            left = await self.wait_until(lambda: self._in_flight(replica.name) == 0, drain)
             if not left:
                 log.warning("%s: %d request(s) still in flight after the drain timeout; restarting anyway",
-                            replica.name, status.outstanding)
+                            replica.name, self._in_flight(replica.name))
             since = time.time()
             await replica.restart()
             deadline = self._clock() + self.timeouts.ready_seconds
@@ -95,16 +99,16 @@ class RestartProcedure:
         return True
 
 
-def _ready_since(status: Any, since: float) -> bool:
+def _ready_since(status: ReplicaStatus, since: float) -> bool:
     """The engine answered /health after ``since`` (it is then held drained, or ready if nobody held it)."""
-    return (getattr(status, "last_ready_time", None) or 0) >= since
+    return (status.last_ready_time or 0) >= since
 
 
 class RollingRestart:
     """Every replica, one at a time, in order."""
 
-    def __init__(self, replicas: Callable[[], Sequence[Any]], procedure: RestartProcedure, *, min_ready: int,
-                 on_replica: Callable[[Any, Outcome], None] = lambda _r, _o: None) -> None:
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
+                 on_replica: Callable[[Replica, Outcome], None] = lambda _r, _o: None) -> None:
         self._replicas = replicas
         self.procedure = procedure
         self.min_ready = min_ready

@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from appliance.gateway.errors import APIError
 from appliance.maintenance.controller import MaintenanceController
+from appliance.maintenance.errors import MaintenanceError
 from appliance.maintenance.memory import MemoryWatch
 from appliance.maintenance.progress import ProgressMonitor
 from appliance.maintenance.settings import MaintenanceSettings
@@ -111,7 +111,7 @@ class MaintenanceScheduler:
             self._window_done = window_start  # a wanted restart inside the window counts as the window's one
         try:
             self.controller.start_rolling_restart(trigger, reason)
-        except APIError as exc:  # e.g. external engines: nothing to restart
+        except MaintenanceError as exc:  # e.g. external engines: nothing to restart
             self.controller.record("rolling_restart", trigger, "skipped", detail=exc.message)
             return "skipped: " + exc.message
         return f"rolling restart ({trigger}): {reason}"

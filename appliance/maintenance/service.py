@@ -1,23 +1,25 @@
-"""Maintenance wired together for the gateway: ``build_maintenance`` makes every piece from the settings and
-the gateway's own objects; ``Maintenance`` starts and stops them with the app's lifespan."""
+"""Maintenance wired together: ``build_maintenance`` makes every piece from the settings and what it needs to
+know of the data path (requests in flight, the engines' load readings, the queue, the request counter), given
+as plain callables so that maintenance never depends on the gateway; ``Maintenance`` starts and stops them with
+the app's lifespan."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from appliance.collectors import engine_stats_dir
-from appliance.gateway.admission import Admission
-from appliance.gateway.router import Router
+from appliance.engine.contract import Replica
+from appliance.engine.load import EngineLoad
 from appliance.maintenance.annotations import Annotator
 from appliance.maintenance.controller import MaintenanceController, http_warmer
 from appliance.maintenance.memory import MemoryWatch, process_memory_reader
 from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 from appliance.maintenance.progress import ProgressMonitor
+from appliance.maintenance.reload import ConfigReloader
 from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, Warmer
 from appliance.maintenance.scheduler import MaintenanceScheduler
 from appliance.maintenance.traffic import TrafficSampler
@@ -31,6 +33,7 @@ class Maintenance:
     scheduler: MaintenanceScheduler
     alerts: AlertActions
     progress: ProgressMonitor
+    reloader: ConfigReloader
 
     def start(self) -> None:
         self.scheduler.start()
@@ -43,23 +46,36 @@ class Maintenance:
         return {**self.scheduler.status(), **self.controller.status()}
 
 
-def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Any]],
-                      router: Router, admission: Admission, requests_total: Callable[[], float],
+@dataclass(frozen=True)
+class DataPathView:
+    """What maintenance reads of the data path."""
+
+    in_flight: Callable[[str], int]  # requests in flight at a replica
+    loads: Callable[[], Mapping[str, EngineLoad]]  # the latest engine readings, by replica
+    queue_length: Callable[[], int]  # requests waiting in the gateway
+    requests_total: Callable[[], float]  # every request answered so far (a counter)
+
+
+def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Replica]],
+                      data_path: DataPathView,
                       warm: Warmer | None = None, annotator: Annotator | None = None,
-                      memory: MemoryWatch | None = None) -> Maintenance:
+                      memory: MemoryWatch | None = None,
+                      stage: Callable[[Settings], None] | None = None) -> Maintenance:
+    """``stage``: the fleet's ``Reconfigurable.stage`` when it can rebuild engine commands (``appliance reload``)."""
     m = settings.maintenance
-    metrics = MaintenanceMetrics(registry)
+    metrics = MaintenanceMetrics(registry, known_alerts=m.alert_actions)
     timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
     warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens)
     annotator = annotator or Annotator(m.grafana_url, m.grafana_token, m.grafana_token_file)
-    traffic = TrafficSampler(requests_total, lambda: admission.queue_length,
+    traffic = TrafficSampler(data_path.requests_total, data_path.queue_length,
                              lookback_seconds=m.traffic_lookback_seconds, max_request_rate=m.max_request_rate,
                              max_queue=m.max_queue)
-    progress = ProgressMonitor(lambda: [r.name for r in replicas()], lambda: router.load,
+    progress = ProgressMonitor(lambda: [r.name for r in replicas()], data_path.loads,
                                hung_after_seconds=m.hung_after_seconds)
-    controller = MaintenanceController(replicas, RestartProcedure(timeouts, warm), min_ready=m.min_ready_replicas,
+    procedure = RestartProcedure(timeouts, warm, in_flight=data_path.in_flight)
+    controller = MaintenanceController(replicas, procedure, min_ready=m.min_ready_replicas,
                                        metrics=metrics, annotator=annotator, is_hung=progress.is_hung)
     if memory is None and settings.collectors.enabled:
         memory = MemoryWatch(process_memory_reader(replicas, engine_stats_dir(settings.collectors, settings.state_dir),
@@ -77,4 +93,4 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
         return upcoming.timestamp() if upcoming else None
 
     registry.register(MaintenanceCollector(progress.names, progress.is_hung, next_window))
-    return Maintenance(controller, scheduler, alerts, progress)
+    return Maintenance(controller, scheduler, alerts, progress, ConfigReloader(settings, controller, stage))

@@ -60,7 +60,8 @@ class MaintenanceSettings(BaseModel):
         "interval (a replica that is fragmented right after a start must not restart in a loop)."
     )
     min_ready_replicas: int = Field(
-        1, ge=0, description="A rolling restart keeps at least this many replicas routable (capped at replicas-1)."
+        1, ge=0, description="No drain or restart (admin, schedule, alert) leaves fewer replicas routable (capped at "
+        "replicas-1)."
     )
     min_ready_wait_seconds: float = Field(
         60, ge=0, description="How long a rolling restart waits for enough routable replicas before it skips."

@@ -2,8 +2,12 @@
 
 Alertmanager re-sends a firing alert every ``repeat_interval`` and groups alerts into one notification, so an
 action is keyed on the alert's identity (fingerprint and start): one firing alert triggers its action once, and
-again only after it resolved and fired anew. On top of that, the same action on the same target runs at most
-once per ``alert_action_min_interval_seconds`` (a flapping alert must not restart engines in a loop). In dry-run
+again only after it resolved and fired anew. On top of that, the same action on the same replica runs at most
+once per ``alert_action_min_interval_seconds`` (a flapping alert must not restart engines in a loop); the key is
+the replica the alert resolves to, so relabelled or re-fingerprinted copies of an alert hit the same limit. The
+controller refuses a restart while another alert-driven restart runs or when it would leave fewer than
+``min_ready_replicas`` routable: the alert is then "skipped", not marked acted on, and Alertmanager's next repeat
+notification tries again. In dry-run
 mode the decision is recorded (log, metric, annotation) and nothing is done. Alerts off the whitelist are only
 recorded.
 """
@@ -18,8 +22,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.gateway.errors import APIError
 from appliance.maintenance.controller import MaintenanceController
+from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.settings import AlertAction
 
@@ -92,9 +96,15 @@ class AlertActions:
             return self._decided(alert, name, "none", None, None, "recorded only")
         if identity in self._acted:
             return self._decided(alert, name, "duplicate", None, None, "already acted on this firing alert")
-        target = alert.labels.get("replica") if action == "restart" else "all"
-        if target is None:
-            return self._act(alert, name, action, "skipped", None, "alert has no replica label")
+        target = "all"
+        if action == "restart":
+            label = alert.labels.get("replica")
+            if label is None:
+                return self._act(alert, name, action, "skipped", None, "alert has no replica label")
+            try:  # the rate limit is keyed on the replica acted on, whatever else the alert's labels say
+                target = self.controller.replica(label).name
+            except ReplicaNotFound as exc:
+                return self._act(alert, name, action, "skipped", label, exc.message)
         last = self._last_run.get((action, target))
         if last is not None and now - last < self.min_interval_seconds:
             return self._act(alert, name, action, "rate_limited", target,
@@ -115,7 +125,7 @@ class AlertActions:
             return "ok", "rolling restart scheduled for the next low-traffic moment"
         try:
             self.controller.start_restart(target, "alert", reason=alertname)
-        except APIError as exc:
+        except MaintenanceError as exc:
             self.controller.record("restart", "alert", "skipped", replica=target, detail=exc.message)
             return "skipped", exc.message
         return "ok", f"restart of {target} started"
@@ -128,7 +138,7 @@ class AlertActions:
 
     def _decided(self, alert: Alert, name: str, action: str, result: str | None, target: str | None,
                  detail: str) -> Decision:
-        self.metrics.alerts.labels(name, alert.status, action).inc()
+        self.metrics.alert(name, alert.status, action)
         log.info("alert %s (%s) %s: %s", name, alert.status, action, detail)
         return Decision(name, alert.status, action, result, target, detail)
 

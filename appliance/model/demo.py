@@ -287,6 +287,9 @@ def build_demo_model(
     tmp = temp_sibling(out_dir)
     try:
         tmp.mkdir()
+    except OSError as exc:  # name the folder the user asked for, not the temporary beside it
+        raise OSError(exc.errno, f"cannot create {out_dir}: {exc.strerror}") from exc
+    try:
         train_docs, heldout_docs = _topic_split()
         tokenizer = train_tokenizer(train_docs)
         train_stream = _encode_documents(tokenizer, train_docs)

@@ -1,17 +1,18 @@
-"""Turn a BF16/FP16/FP32 Hugging Face causal LM into a W8A8 INT8 compressed-tensors checkpoint.
+"""Turn a BF16/FP16/FP32 Hugging Face causal LM into a W8A8 compressed-tensors checkpoint (INT8 or FP8).
 
-Why this format: vLLM reads compressed-tensors ``int-quantized`` checkpoints natively on both CPU (oneDNN
-int8 GEMMs) and GPU (CUTLASS), so the same file serves everywhere and needs no calibration data:
+Why this format: vLLM reads compressed-tensors checkpoints natively, INT8 (``int-quantized``) on CPUs (oneDNN)
+and GPUs before Blackwell, FP8 e4m3 (``float-quantized``) on GPUs from Ada/Hopper on (appliance.model.precision
+says which scheme suits which host, and picks one for ``--scheme auto``). Neither needs calibration data:
 
-* weights: int8, symmetric, one scale per output channel, computed here from the weights alone;
-* activations: int8, symmetric, one scale per token, computed by vLLM at run time (``dynamic``).
+* weights: 8 bits, symmetric, one scale per output channel, computed here from the weights alone;
+* activations: 8 bits, symmetric, one scale per token, computed by vLLM at run time (``dynamic``).
 
 Only the Linear layers inside the decoder blocks are quantized. Embeddings, norms and ``lm_head`` stay in the
 source dtype: they are a small share of the bytes and the most sensitive to rounding.
 
 The source is processed one safetensors shard at a time, so peak memory is about one shard, not the model.
-The optional quality check does load the whole model (once, in float32) and compares it to a W8A8
-simulation built from the int8 tensors actually written, on held-out text.
+The optional quality check (appliance.model.quality) runs one decoder layer at a time, so it does not need the
+whole model in memory either.
 
 Nothing appears at ``dst`` unless everything succeeded: the checkpoint is assembled in a hidden sibling
 directory and renamed into place at the end; on any failure that directory is removed.
@@ -20,7 +21,6 @@ directory and renamed into place at the end; on any failure that directory is re
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import struct
@@ -30,7 +30,10 @@ from pathlib import Path
 
 import torch
 
+from appliance.model import precision
 from appliance.model.demo import heldout_text, make_readable, move_into_place, temp_sibling
+from appliance.model.precision import Scheme
+from appliance.model.quality import QualityError, evaluate_quality
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,50 +42,6 @@ SOURCE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".safetensors")
 # A decoder-block parameter: "model.layers.3.mlp.down_proj.weight" and the like (any prefix before "layers").
 DECODER_WEIGHT = re.compile(r"(^|\.)layers\.\d+\..+\.weight$")
-INT8_MAX = 127
-EVAL_MAX_TOKENS = 512
-EVAL_WINDOW = 128
-
-QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "int-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 8,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "channel",
-                "dynamic": False,
-                "group_size": None,
-                "block_structure": None,
-                "actorder": None,
-                "observer": "minmax",
-                "observer_kwargs": {},
-            },
-            "input_activations": {
-                "num_bits": 8,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "token",
-                "dynamic": True,
-                "group_size": None,
-                "block_structure": None,
-                "actorder": None,
-                "observer": None,
-                "observer_kwargs": {},
-            },
-            "output_activations": None,
-        }
-    },
-    "ignore": ["lm_head"],
-    "kv_cache_scheme": None,
-    "global_compression_ratio": None,
-}
-
-
 class QuantizeError(ValueError):
     """The checkpoint cannot be quantized as asked; the message says what is wrong and what to do instead."""
 
@@ -104,17 +63,23 @@ def quantize_checkpoint(
     src: Path,
     dst: Path,
     *,
+    scheme: str = "int8",
     eval_text: str | None = None,
     evaluate: bool = True,
 ) -> dict:
-    """Write a W8A8 INT8 copy of the checkpoint at ``src`` to ``dst`` and report size and quality.
+    """Write a W8A8 copy of the checkpoint at ``src`` to ``dst`` and report size and quality.
 
+    ``scheme`` is ``int8``, ``fp8`` or ``auto`` (FP8 where NVML reports compute capability >= 8.9, else INT8);
     ``eval_text`` is the text the quality check runs on (default: the demo model's held-out pages);
-    ``evaluate=False`` skips the check, which is the part that needs the whole model in memory.
-    Raises QuantizeError, with nothing written to ``dst``, for input that cannot work.
+    ``evaluate=False`` skips the check. Raises QuantizeError, with nothing written to ``dst``, for input that
+    cannot work.
     """
     started = time.monotonic()
     src, dst = Path(src), Path(dst)
+    try:
+        choice = precision.choose_scheme(scheme)
+    except ValueError as exc:
+        raise QuantizeError(str(exc)) from exc
     source = _inspect_source(src)
     _check_destination(dst)
     if evaluate and eval_text is not None and not eval_text.strip():
@@ -124,13 +89,15 @@ def quantize_checkpoint(
     tmp = temp_sibling(dst)
     try:
         tmp.mkdir()
-        quantized = _write_weights(source, tmp)
-        _write_config(source, tmp)
+        quantized = _write_weights(source, tmp, choice.scheme)
+        _write_config(source, tmp, choice.scheme)
         _copy_side_files(src, tmp)
         result = {
             "src": str(src),
             "dst": str(dst),
-            "scheme": "W8A8-INT8 (compressed-tensors int-quantized: per-channel weights, per-token activations)",
+            "scheme": choice.scheme.name,
+            "scheme_reason": choice.reason,
+            "format": choice.scheme.description,
             "bytes_before": _weights_bytes(src, source.shards),
             "bytes_after": _weights_bytes(tmp, source.shards),
             "quantized_layers": len(quantized),
@@ -138,7 +105,10 @@ def quantize_checkpoint(
         result["ratio"] = round(result["bytes_after"] / result["bytes_before"], 4)
         if evaluate:
             text = eval_text if eval_text is not None else heldout_text()
-            result.update(evaluate_quality(src, tmp, text))
+            try:
+                result.update(evaluate_quality(src, tmp, text, scheme=choice.scheme))
+            except QualityError as exc:
+                raise QuantizeError(str(exc)) from exc
         make_readable(tmp)
         move_into_place(tmp, dst)
     except BaseException:
@@ -146,25 +116,6 @@ def quantize_checkpoint(
         raise
     result["seconds"] = round(time.monotonic() - started, 2)
     return result
-
-
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: returns (int8 weight [out, in], scale [out, 1] in the weight's dtype).
-
-    The scale is rounded to the source dtype *before* the weight is divided by it, so the stored pair
-    dequantizes exactly as computed here (bf16 scales would otherwise differ from the ones used).
-    """
-    w = weight.float()
-    absmax = w.abs().amax(dim=1, keepdim=True)
-    scale = (absmax / INT8_MAX).clamp(min=torch.finfo(weight.dtype).tiny).to(weight.dtype)
-    q = torch.round(w / scale.float()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
-
-
-def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Round activations through int8 with one symmetric scale per token, as vLLM's dynamic W8A8 does."""
-    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
-    return torch.round(x / scale).clamp(-INT8_MAX - 1, INT8_MAX) * scale
 
 
 # --- validation ------------------------------------------------------------------------------------------------
@@ -281,7 +232,7 @@ def _is_target(name: str, shape: list[int]) -> bool:
 # --- writing ---------------------------------------------------------------------------------------------------
 
 
-def _write_weights(source: _Source, out: Path) -> list[str]:
+def _write_weights(source: _Source, out: Path, scheme: Scheme) -> list[str]:
     """Quantize shard by shard, keeping shard file names; returns the quantized weight names."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -295,7 +246,7 @@ def _write_weights(source: _Source, out: Path) -> list[str]:
                 tensor = f.get_tensor(name)
                 if _is_target(name, list(tensor.shape)):
                     scale_name = name.removesuffix(".weight") + ".weight_scale"
-                    tensors[name], tensors[scale_name] = quantize_weight(tensor)
+                    tensors[name], tensors[scale_name] = scheme.quantize_weight(tensor)
                     weight_map[scale_name] = shard
                     quantized.append(name)
                 else:
@@ -310,9 +261,9 @@ def _write_weights(source: _Source, out: Path) -> list[str]:
     return quantized
 
 
-def _write_config(source: _Source, out: Path) -> None:
+def _write_config(source: _Source, out: Path, scheme: Scheme) -> None:
     config = dict(source.config)
-    config["quantization_config"] = json.loads(json.dumps(QUANTIZATION_CONFIG))  # a private deep copy
+    config["quantization_config"] = scheme.quantization_config()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
@@ -328,104 +279,3 @@ def _copy_side_files(src: Path, out: Path) -> None:
 
 def _weights_bytes(directory: Path, shards: list[str]) -> int:
     return sum((directory / shard).stat().st_size for shard in shards)
-
-
-# --- quality ---------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate_quality(
-    src: Path,
-    quantized_dir: Path,
-    text: str,
-    *,
-    max_tokens: int = EVAL_MAX_TOKENS,
-    window: int = EVAL_WINDOW,
-) -> dict:
-    """Compare the source model with a W8A8 simulation of the quantized checkpoint on ``text``.
-
-    Both run in float32 so the only difference is quantization: the simulation swaps every quantized Linear's
-    weight for its dequantized int8 copy (read back from ``quantized_dir``) and rounds that Linear's input
-    per token through int8. Reports top-1 next-token agreement, mean KL(original || quantized) in nats, and
-    perplexity before and after, over up to ``max_tokens`` tokens split into windows of ``window``.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
-        windows = _token_windows(tokenizer, text, max_tokens=max_tokens, window=window)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        if isinstance(exc, QuantizeError):
-            raise
-        raise QuantizeError(
-            f"cannot load {src} with transformers for the quality check ({exc}); pass evaluate=False to skip it"
-        ) from exc
-    model.eval()
-    reference = _window_logits(model, windows)
-    hooks = _simulate_w8a8(model, quantized_dir)
-    try:
-        simulated = _window_logits(model, windows)
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-    ref_logp = torch.log_softmax(reference, dim=-1)
-    sim_logp = torch.log_softmax(simulated, dim=-1)
-    targets = torch.cat([w[1:] for w in windows])
-    return {
-        "eval_tokens": int(targets.numel()),
-        "top1_agreement": round((ref_logp.argmax(-1) == sim_logp.argmax(-1)).float().mean().item(), 4),
-        "mean_kl": round((ref_logp.exp() * (ref_logp - sim_logp)).sum(-1).mean().item(), 6),
-        "ppl_before": round(_perplexity(ref_logp, targets), 3),
-        "ppl_after": round(_perplexity(sim_logp, targets), 3),
-    }
-
-
-def _token_windows(tokenizer, text: str, *, max_tokens: int, window: int) -> list[torch.Tensor]:
-    """Consecutive windows of the text's tokens, each prefixed with BOS (when the tokenizer has one)."""
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:max_tokens]
-    if len(ids) < 2:
-        raise QuantizeError("the evaluation text is too short (needs at least 2 tokens)")
-    prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [torch.tensor(prefix + ids[i : i + window]) for i in range(0, len(ids), window) if len(ids[i:]) > 1]
-
-
-def _window_logits(model, windows: list[torch.Tensor]) -> torch.Tensor:
-    """Logits for every position that has a next token, all windows concatenated: [positions, vocab]."""
-    outputs = []
-    for ids in windows:
-        logits = model(input_ids=ids[None]).logits[0].float()
-        outputs.append(logits[:-1])
-    return torch.cat(outputs)
-
-
-def _simulate_w8a8(model, quantized_dir: Path) -> list:
-    """Load dequantized int8 weights into ``model`` and fake-quantize their inputs; returns the hook handles."""
-    from safetensors import safe_open
-
-    modules = dict(model.named_modules())
-    hooks = []
-    for shard in sorted(quantized_dir.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            for scale_name in [k for k in f.keys() if k.endswith(".weight_scale")]:  # noqa: SIM118
-                module_name = scale_name.removesuffix(".weight_scale")
-                module = modules.get(module_name)
-                if not isinstance(module, torch.nn.Linear):
-                    raise QuantizeError(
-                        f"quantized tensor {module_name} does not match a Linear in the loaded model; "
-                        "cannot evaluate (pass evaluate=False to skip)"
-                    )
-                q = f.get_tensor(module_name + ".weight")
-                module.weight.copy_(q.float() * f.get_tensor(scale_name).float())
-                hooks.append(module.register_forward_pre_hook(_quantize_input_hook))
-    return hooks
-
-
-def _quantize_input_hook(_module, args):
-    return (fake_quantize_per_token(args[0]), *args[1:])
-
-
-def _perplexity(logp: torch.Tensor, targets: torch.Tensor) -> float:
-    nll = -logp.gather(-1, targets[:, None]).mean().item()
-    return math.exp(nll)

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from appliance.paths import ALERTS_DIR
+
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 KNOWN = frozenset({"APPLIANCE_PAGER_WEBHOOK_URL", "APPLIANCE_TICKET_WEBHOOK_URL", "APPLIANCE_WATCHDOG_WEBHOOK_URL",
                    "APPLIANCE_ALERTS_WEBHOOK_URL", "APPLIANCE_ADMIN_TOKEN"})
@@ -85,7 +87,7 @@ def _fill(node: Any, env: Mapping[str, str]) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m appliance.monitoring.alertmanager",
                                      description="Render the Alertmanager config template from the environment.")
-    parser.add_argument("template", type=Path, nargs="?", default=Path(__file__).resolve().parents[2] / "alerts"
+    parser.add_argument("template", type=Path, nargs="?", default=ALERTS_DIR
                         / "alertmanager.yml")
     parser.add_argument("--out", type=Path, help="write here (default: stdout)")
     args = parser.parse_args(argv)

@@ -9,13 +9,14 @@ file, then rename), so a reader never sees half a configuration.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.files import atomic_write_text
 from appliance.monitoring.alertmanager import render_alertmanager_config
 from appliance.monitoring.prometheus import RULE_FILES, render_prometheus_config
+from appliance.paths import REPO_ROOT
 from appliance.settings import ConfigError, Settings
 
 
@@ -40,7 +41,7 @@ class Bundle:
 
 def assets_dir(settings: Settings) -> Path:
     """The folder holding alerts/ and dashboards/: configured, or the source tree this package runs from."""
-    root = settings.monitoring.assets_dir or Path(__file__).resolve().parents[2]
+    root = settings.monitoring.assets_dir or REPO_ROOT
     if not (root / "alerts" / "alertmanager.yml").is_file():
         raise ConfigError(f"monitoring.assets_dir: {root} holds no alerts/alertmanager.yml "
                           "(set APPLIANCE_MONITORING__ASSETS_DIR to the folder with alerts/ and dashboards/)")
@@ -63,23 +64,11 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     bundle = Bundle(out)
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
-        _write(bundle.rules_dir / name, (alerts / name).read_text(), 0o644)
-    _write(bundle.prometheus_config, render_prometheus_config(
+        atomic_write_text(bundle.rules_dir / name, (alerts / name).read_text(), mode=0o644)
+    atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
-        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds), 0o644)
-    _write(bundle.alertmanager_config, render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values),
-           0o644 if shared else 0o600)
+        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds), mode=0o644)
+    alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
+    atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)
     return bundle
-
-
-def _write(path: Path, text: str, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 

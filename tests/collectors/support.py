@@ -8,7 +8,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,34 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.engine.placement import Placement
-from appliance.engine.replica import ReplicaState, ReplicaStatus
-
-
-@dataclass
-class FakeSpec:
-    placement: Placement
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class FakeReplica:
-    """What the collectors read of ``appliance.engine.replica.Replica``: name, url, status, spec."""
-
-    name: str
-    status: ReplicaStatus
-    spec: FakeSpec
-    url: str = "http://127.0.0.1:1"
-
-
-def cpu_replica(name: str, pid: int | None, cores: tuple[int, ...] = (0,), **env: str) -> FakeReplica:
-    status = ReplicaStatus(state=ReplicaState.READY, pid=pid, starts=1)
-    return FakeReplica(name, status, FakeSpec(Placement("cpu", cores=cores), dict(env)))
-
-
-def gpu_replica(name: str, pid: int | None, gpus: tuple[int, ...]) -> FakeReplica:
-    status = ReplicaStatus(state=ReplicaState.READY, pid=pid, starts=1)
-    return FakeReplica(name, status, FakeSpec(Placement("cuda", gpus=gpus)))
+from tests.doubles import FakeReplica, cpu_replica, gpu_replica  # noqa: F401 - the collectors' doubles
 
 
 class FakeClock:

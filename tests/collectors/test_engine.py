@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry
 
 from appliance.collectors.base import CollectorHealth, HealthCollector
 from appliance.collectors.engine import EngineCollector
-from appliance.gateway.router import EngineLoad
-from tests.collectors.support import FakeClock, cpu_replica, label_sets, scrape, value
+from appliance.engine.load import EngineLoad
+from tests.collectors.support import FakeClock, FakeReplica, cpu_replica, label_sets, scrape, value
 
 
 def build(replicas: list, loads: dict[str, EngineLoad], clock: FakeClock) -> CollectorRegistry:
@@ -52,15 +52,22 @@ def test_life_cycle() -> None:
     assert value(families, "appliance_replica_starts_total", replica="replica-0") == 1
     assert value(families, "appliance_replica_restarts_total", replica="replica-1") == 2
     assert value(families, "appliance_replica_crashes_total", replica="replica-1") == 1
+    assert value(families, "appliance_replica_spawn_failures_total", replica="replica-1") == 0
     assert value(families, "appliance_replica_model_load_seconds", replica="replica-1") == 35.5
     assert value(families, "appliance_replica_model_load_seconds", replica="replica-0") is None  # not loaded yet
     assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="replica-1") == 1.7e9
     assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="replica-0") is None
 
 
-def test_replicas_without_status_are_skipped() -> None:
-    class Bare:
-        name = "stub"
+def test_a_replica_the_appliance_does_not_run_has_zero_counters_and_no_load_time() -> None:
+    families = scrape(build([FakeReplica("external-0")], {}, FakeClock()))
+    assert value(families, "appliance_replica_starts", replica="external-0") == 0
+    assert value(families, "appliance_replica_model_load_seconds", replica="external-0") is None
+    assert value(families, "appliance_replica_last_restart_timestamp_seconds", replica="external-0") is None
 
-    families = scrape(build([Bare()], {}, FakeClock()))
-    assert families["appliance_replica_starts"].samples == []
+
+def test_spawn_failures_are_exported() -> None:
+    failing = cpu_replica("replica-0", None)
+    failing.status.spawn_failures = 4
+    families = scrape(build([failing], {}, FakeClock()))
+    assert value(families, "appliance_replica_spawn_failures_total", replica="replica-0") == 4

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from appliance.collectors import ENGINE_STATS_DIR_ENV, engine_stats_dir, engine_stats_env, register_collectors
 from appliance.collectors.engine_plugin import write_stats
 from appliance.collectors.settings import CollectorSettings
-from appliance.gateway.router import EngineLoad
+from appliance.engine.load import EngineLoad
 from tests.collectors.support import EngineTree, cpu_replica, scrape, value, write_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ UNIT_SUFFIXES = ("_seconds", "_bytes", "_ratio", "_celsius", "_watts", "_per_sec
 
 
 def build(tmp_path: Path, tree: EngineTree, **settings: object) -> tuple[CollectorRegistry, dict[str, EngineLoad]]:
-    replicas = [cpu_replica("replica-0", tree.pid, cores=(0,), VLLM_CPU_KVCACHE_SPACE="1")]
+    replicas = [cpu_replica("replica-0", tree.pid, cores=(0,), kv_gib=1)]
     loads: dict[str, EngineLoad] = {}
     registry = CollectorRegistry()
     options = {"probe_bandwidth": False, "rate_min_window_seconds": 0.2, **settings}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from appliance.collectors.roofline import (
     model_facts,
 )
 from appliance.collectors.settings import CollectorSettings
-from appliance.gateway.router import EngineLoad
+from appliance.engine.load import EngineLoad
 from tests.collectors.support import FakeClock, cpu_replica, fake_pynvml, gpu_replica, scrape, value, write_model
 
 # The tiny model of write_model: per layer q 64x64, k 32x64, v 32x64, o 64x64, down 64x128 = 20480; 2 layers,
@@ -103,7 +104,7 @@ class Harness:
 
 
 def test_mbu_and_mfu_of_a_cpu_replica(tmp_path: Path) -> None:
-    h = Harness(tmp_path, [cpu_replica("replica-0", None, cores=(0, 1), VLLM_CPU_KVCACHE_SPACE="1")])
+    h = Harness(tmp_path, [cpu_replica("replica-0", None, cores=(0, 1), kv_gib=1)])
     h.read("replica-0", prompt=1000, generation=500, running=4)
     first = scrape(h.registry)
     assert "appliance_mbu_ratio" in first and value(first, "appliance_mbu_ratio", replica="replica-0") is None
@@ -128,7 +129,7 @@ def test_mbu_and_mfu_of_a_cpu_replica(tmp_path: Path) -> None:
 
 
 def test_idle_replica_reads_zero_and_a_restart_starts_a_new_window(tmp_path: Path) -> None:
-    h = Harness(tmp_path, [cpu_replica("replica-0", None, VLLM_CPU_KVCACHE_SPACE="1")])
+    h = Harness(tmp_path, [cpu_replica("replica-0", None, kv_gib=1)])
     h.read("replica-0", prompt=100, generation=100, running=0)
     scrape(h.registry)
     h.clock.advance(10)
@@ -199,3 +200,16 @@ def test_gpu_without_nvml_has_no_peaks(tmp_path: Path) -> None:
 
 def _absent():
     raise ImportError("no pynvml")
+
+
+def test_roofline_and_planner_read_the_same_shape(tmp_path: Path) -> None:
+    """One reader: the collector's KV bytes per token are the planner's, for auto and fp8 caches alike."""
+    from appliance.loadtest.plan import kv_bytes_per_token as planned
+    from appliance.loadtest.plan import load_shape
+
+    config = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+              "intermediate_size": 18944, "vocab_size": 152064, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_shape(tmp_path, None)
+    assert kv_bytes_per_token(config) == planned(shape, "auto") == 2 * 28 * 4 * 128 * 4
+    assert kv_bytes_per_token(config, dtype_bytes=1) == planned(shape, "fp8")

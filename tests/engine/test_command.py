@@ -1,9 +1,11 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
 from appliance.engine.placement import Placement
-from appliance.settings import EngineSettings
+from appliance.settings import ConfigError, EngineSettings, load_settings
 
 
 def test_engine_flags_use_vllm_names():
@@ -38,3 +40,24 @@ def test_engines_run_under_the_orphan_proof_launcher():
     command = launcher_command(["--port", "1"])
     assert command[:4] == [sys.executable, "-m", "appliance.engine.launch", "--"]
     assert command[4:] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", "1"]
+
+
+def test_kv_cache_dtype_is_passed_under_vllms_name():
+    assert "--kv-cache-dtype" not in engine_argv(Path("/m"), "demo", 8101, EngineSettings())  # auto: vLLM's own
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        argv = engine_argv(Path("/m"), "demo", 8101, EngineSettings(kv_cache_dtype=dtype))
+        assert argv[argv.index("--kv-cache-dtype") + 1] == dtype
+
+
+def test_kv_cache_dtype_is_validated(monkeypatch: pytest.MonkeyPatch):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineSettings(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="set engine.kv_cache_dtype instead"):
+        EngineSettings(extra_args=["--kv-cache-dtype", "fp8"])
+    with pytest.raises(ValueError, match="set engine.kv_cache_dtype instead"):
+        EngineSettings(extra_args="--seed 1 --kv-cache-dtype=fp8")
+    monkeypatch.setenv("APPLIANCE_ENGINE__KV_CACHE_DTYPE", "fp8_e5m2")
+    assert load_settings().engine.kv_cache_dtype == "fp8_e5m2"
+    monkeypatch.setenv("APPLIANCE_ENGINE__KV_CACHE_DTYPE", "fp4")
+    with pytest.raises(ConfigError, match="engine.kv_cache_dtype"):
+        load_settings()

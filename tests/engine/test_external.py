@@ -4,8 +4,8 @@ import time
 
 from fastapi.testclient import TestClient
 
+from appliance.app import create_app
 from appliance.engine.external import ExternalFleet
-from appliance.gateway.app import create_app
 from appliance.settings import Settings
 from tests.gateway.stub import StubUpstream
 
@@ -14,7 +14,7 @@ def test_gateway_routes_to_external_engines_once_healthy():
     stub = StubUpstream().start()
     try:
         fleet = ExternalFleet([stub.url + "/"])
-        with TestClient(create_app(Settings(engine_urls=[stub.url]), supervisor=fleet)) as client:
+        with TestClient(create_app(Settings(engine_urls=[stub.url]), fleet=fleet)) as client:
             deadline = time.monotonic() + 10
             while client.get("/health/ready").status_code != 200 and time.monotonic() < deadline:
                 time.sleep(0.1)

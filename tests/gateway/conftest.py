@@ -1,14 +1,14 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from appliance.gateway.app import create_app
+from appliance.app import create_app
 from appliance.settings import Settings
-from tests.gateway.stub import StubReplica
+from tests.doubles import FakeReplica
 
 
 @pytest.fixture
 def replicas(stubs):
-    return [StubReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
+    return [FakeReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
 
 
 @pytest.fixture

@@ -8,37 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field
 
 from aiohttp import web
-
-
-@dataclass
-class StubStatus:
-    outstanding: int = 0
-    planned_restart: bool = False
-
-
-@dataclass
-class StubReplica:
-    """Satisfies the router's Routable protocol."""
-
-    name: str
-    url: str
-    routable: bool = True
-    status: StubStatus = field(default_factory=StubStatus)
-
-    def drain(self) -> None:
-        self.routable = False
-
-    def undrain(self) -> None:
-        self.routable = True
 
 
 class StubUpstream:
     """An aiohttp server in its own thread; records what it received; can be told to delay or fail."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
         self.received: list[dict] = []
         self.headers: list[dict] = []
         self.delay = 0.0
@@ -46,7 +24,7 @@ class StubUpstream:
         self.chunks = 3
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.port = port
         self.aborted = 0
 
     def start(self) -> StubUpstream:
@@ -57,7 +35,7 @@ class StubUpstream:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
         if not self._loop.is_running():
@@ -79,7 +57,7 @@ class StubUpstream:
         app.router.add_get("/health", lambda _r: web.Response(text="ok"))
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         self._loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]
         ready.set()

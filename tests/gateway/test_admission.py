@@ -5,9 +5,9 @@ import asyncio
 import pytest
 
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
-from appliance.gateway.errors import APIError
 from appliance.gateway.router import Outcome, Router
-from tests.gateway.stub import StubReplica
+from appliance.http.errors import APIError
+from tests.doubles import FakeReplica
 
 
 def test_aimd_grows_under_target_and_cuts_once_per_window():
@@ -29,7 +29,7 @@ def test_aimd_grows_under_target_and_cuts_once_per_window():
 
 
 def make(limit: int = 1, max_queue: int = 2, timeout: float = 0.2):
-    replicas = [StubReplica("replica-0", "http://r0")]
+    replicas = [FakeReplica("replica-0", "http://r0")]
     limits = ConcurrencyLimits(lambda: AIMDLimit(limit, 1, limit, target_seconds=1.0))
     router = Router(lambda: replicas, limit_for=limits.limit_of)
     return Admission(router, limits, max_queue=max_queue, queue_timeout_seconds=timeout), replicas
@@ -44,7 +44,7 @@ def test_queued_request_gets_the_freed_slot_in_order():
         assert admission.queue_length == 1 and not waiter.done()
         admission.release(first, Outcome.SUCCESS, 0.1)
         assert await waiter is replica
-        assert replica.status.outstanding == 1
+        assert admission.router.in_flight(replica.name) == 1
 
     asyncio.run(scenario())
 
@@ -62,7 +62,7 @@ def test_full_queue_and_queue_timeout_are_429_with_retry_after():
             await waiting
         assert timed_out.value.status == 429
         assert admission.rejected == {"queue_full": 1, "queue_timeout": 1}
-        assert replica.status.outstanding == 1  # nothing leaked
+        assert admission.router.in_flight(replica.name) == 1  # nothing leaked
 
     asyncio.run(scenario())
 
@@ -87,7 +87,7 @@ def test_cancelled_waiter_gives_back_its_slot():
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         admission.release(first, Outcome.SUCCESS)
-        assert replica.status.outstanding == 0
+        assert admission.router.in_flight(replica.name) == 0
 
     asyncio.run(scenario())
 

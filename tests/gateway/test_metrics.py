@@ -57,7 +57,7 @@ def test_ttft_buckets_include_the_slo(make_client):
 
 
 def test_fleet_state_is_exported(client, replicas):
-    replicas[1].status.outstanding = 2
+    client.app.state.router.outstanding["replica-1"] = 2
     families = scrape(client)
     assert value(families["appliance_replica_outstanding_requests"], "appliance_replica_outstanding_requests",
                  replica="replica-1") == 2

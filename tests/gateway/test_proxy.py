@@ -48,7 +48,7 @@ def test_unreachable_replica_is_retried_on_another(client, stubs, replicas):
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 200
     assert response.headers["x-appliance-replica"] == "replica-1"
-    assert all(r.status.outstanding == 0 for r in replicas)
+    assert all(client.app.state.router.in_flight(r.name) == 0 for r in replicas)
 
 
 def test_all_replicas_unreachable_is_a_502(client, stubs):
@@ -70,10 +70,11 @@ def test_no_ready_replica_is_a_503_with_retry_after(client, replicas):
 
 
 def test_least_outstanding_replica_wins(client, replicas):
-    replicas[0].status.outstanding = 3
+    router = client.app.state.router
+    router.outstanding["replica-0"] = 3
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.headers["x-appliance-replica"] == "replica-1"
-    assert replicas[0].status.outstanding == 3 and replicas[1].status.outstanding == 0
+    assert router.in_flight("replica-0") == 3 and router.in_flight("replica-1") == 0
 
 
 def test_models_lists_the_served_model(client):

@@ -1,8 +1,9 @@
 """Routing policy and passive outlier ejection, with a controllable clock."""
 
-from appliance.gateway.router import EngineLoad, Outcome, Router
+from appliance.engine.load import EngineLoad
+from appliance.gateway.router import Outcome, Router
 from appliance.settings import RoutingSettings
-from tests.gateway.stub import StubReplica
+from tests.doubles import FakeReplica
 
 
 class Clock:
@@ -14,7 +15,7 @@ class Clock:
 
 
 def make(n: int = 2, **routing):
-    replicas = [StubReplica(f"replica-{i}", f"http://r{i}") for i in range(n)]
+    replicas = [FakeReplica(f"replica-{i}", f"http://r{i}") for i in range(n)]
     clock = Clock()
     router = Router(lambda: replicas, RoutingSettings(**routing), clock=clock)
     return router, replicas, clock
@@ -35,7 +36,7 @@ def test_least_outstanding_then_kv_usage_then_queue():
 
 
 def test_only_routable_replicas_under_their_limit():
-    replicas = [StubReplica("a", "http://a", routable=False), StubReplica("b", "http://b")]
+    replicas = [FakeReplica("a", "http://a", routable=False), FakeReplica("b", "http://b")]
     router = Router(lambda: replicas, limit_for=lambda _name: 1)
     assert router.try_acquire() is replicas[1]
     assert router.try_acquire() is None  # b is at its limit of 1
@@ -71,14 +72,14 @@ def test_latency_outlier_is_ejected_but_never_the_last_replica():
     router, (r0, r1), _ = make(latency_outlier_factor=3, latency_outlier_min_seconds=0.5)
     for _ in range(5):
         for replica, ttft in ((r0, 0.1), (r1, 0.1)):
-            replica.status.outstanding += 1
+            router.outstanding[replica.name] = router.in_flight(replica.name) + 1
             router.release(replica, Outcome.SUCCESS, ttft)
     for _ in range(10):
-        r1.status.outstanding += 1
+        router.outstanding[r1.name] = router.in_flight(r1.name) + 1
         router.release(r1, Outcome.SUCCESS, 3.0)
     assert router.health_of("replica-1").ejected
     assert "TTFT outlier" in router.health_of("replica-1").reason
     for _ in range(10):  # r0 slows down too, but it is the only one left: keep it
-        r0.status.outstanding += 1
+        router.outstanding[r0.name] = router.in_flight(r0.name) + 1
         router.release(r0, Outcome.SUCCESS, 5.0)
     assert not router.health_of("replica-0").ejected

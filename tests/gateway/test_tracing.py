@@ -3,7 +3,7 @@
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from appliance.gateway.app import create_app
+from appliance.app import create_app
 from appliance.settings import Settings
 
 

@@ -50,16 +50,19 @@ class ApplianceProcess:
     replicas: int = 2
     env: dict[str, str] = field(default_factory=dict)
     command: str = "serve"  # or "up": serve plus local Prometheus and Alertmanager
+    host: str = "127.0.0.1"  # where the gateway listens (set APPLIANCE_HOST in env to match)
+    base_port: int | None = None  # engine_base_port; default a free range, the gateway port just above it
+    cores: set[int] | None = None  # CPU affinity of the whole process tree (its engines plan on these cores)
     proc: subprocess.Popen | None = None
     port: int = 0
     engine_pids_seen: set[int] = field(default_factory=set)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> ApplianceProcess:
-        base = free_port_range(self.replicas + 1)
+        base = free_port_range(self.replicas + 1) if self.base_port is None else self.base_port
         self.port = base + self.replicas
         env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
         env.update({
@@ -78,8 +81,10 @@ class ApplianceProcess:
         })
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = (self.state_dir / "appliance.log").open("ab")
+        cores = self.cores
         self.proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", self.command], env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self
 
     def ready_replicas(self) -> int:

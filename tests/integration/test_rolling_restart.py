@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -103,30 +102,17 @@ def test_rolling_restart_under_steady_load_fails_nothing(appliance):
     assert {r["state"] for r in final["replicas"]} == {"ready"}
 
 
-def test_requests_wait_for_a_planned_restart_when_no_replica_is_routable(appliance):
+def test_restarting_the_last_routable_replica_is_refused(appliance):
+    """Issue 12: no action path takes routable replicas below min_ready_replicas. With replica-0 drained, a
+    restart of replica-1 would leave none: refused with 409, and both replicas keep their processes. (Requests
+    queueing for a planned restart are covered with a single replica in tests/maintenance.)"""
     appliance.wait_ready(timeout=300)
     before = replica_counts(appliance)
     assert admin(appliance, "POST", "/admin/replicas/replica-0/drain").status_code == 200
     try:
-        assert admin(appliance, "POST", "/admin/replicas/replica-1/restart").status_code == 202
-        deadline = time.monotonic() + 30
-        while appliance.ready_replicas() != 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert appliance.ready_replicas() == 0  # nothing routable: only the planned restart to wait for
-
-        def one(_: int) -> tuple[int, str, float]:
-            sent = time.monotonic()
-            response = httpx.post(f"{appliance.url}/v1/completions", json=BODY, timeout=400)
-            return response.status_code, response.headers.get("x-appliance-replica", response.text[:200]), \
-                time.monotonic() - sent
-
-        with ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(one, range(3)))
-        wait_for_maintenance(appliance, timeout=400)
+        refused = admin(appliance, "POST", "/admin/replicas/replica-1/restart")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "min_ready_replicas"
     finally:
-        admin(appliance, "POST", "/admin/replicas/replica-0/undrain")
-    print(f"\nplanned restart with no routable replica: requests waited {[round(r[2]) for r in results]}s")
-    assert [(code, replica) for code, replica, _ in results] == [(200, "replica-1")] * 3
-    assert min(waited for *_, waited in results) > 5  # they really waited for the restart
-    assert replica_counts(appliance)["replica-1"] == (before["replica-1"][0] + 1, before["replica-1"][1] + 1)
-    appliance.wait_ready(timeout=60)
+        assert admin(appliance, "POST", "/admin/replicas/replica-0/undrain").status_code == 200
+    assert replica_counts(appliance) == before

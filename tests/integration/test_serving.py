@@ -90,7 +90,7 @@ def test_killed_engine_is_restarted_while_the_appliance_keeps_answering(applianc
     assert answered > 0
     appliance.wait_ready(timeout=300)  # the supervisor restarted replica-0
     assert appliance.vllm_server_pid(0) != victim
-    assert "replica-0 exited with 137" in appliance.log_tail(400)
+    assert "replica-0: engine exited with 137" in appliance.log_tail(400)
 
 
 def test_sigterm_drains_a_long_stream_then_exits_0(appliance):

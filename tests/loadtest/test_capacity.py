@@ -51,6 +51,7 @@ def _check_knee(run: CapacityRun) -> None:
             assert p.summary["sla"]["decisions"]["ttft"]["n"] >= 60
         else:  # failing probes stop as soon as the rest cannot change the verdict
             assert p.verdict == "fail" and p.summary["early_stop"].startswith("stopped after")
+            assert "unresolved" not in p.reason and "fewer than the minimum" not in p.reason, p.reason
     assert run.exit_code == 0
     assert {row["probe"] for row in run.rows} == {p.id for p in run.probes}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -134,35 +133,6 @@ def test_capacity_files_and_consistency(tmp_path: Path) -> None:
         assert f"| {name} | {d['verdict']} |" in md
     assert "Soak verdict: **drift**" in md
     assert data["soak"]["drift"]["memory_bytes"]["verdict"] == "drift"
-
-
-def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "bench.json"
-    rep.atomic_write_json(target, {"old": True})
-
-    def broken_replace(src: str, dst: str) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        rep.atomic_write_json(target, {"new": True})
-    assert json.loads(target.read_text()) == {"old": True}
-    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary left behind
-
-
-def test_atomic_write_of_a_failing_generator_leaves_nothing(tmp_path: Path) -> None:
-    def rows() -> Any:
-        yield {"a": 1}
-        raise RuntimeError("interrupted")
-
-    with pytest.raises(RuntimeError):
-        rep.atomic_write_jsonl(tmp_path / "requests.jsonl", rows())
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_json_has_no_nan(tmp_path: Path) -> None:
-    rep.atomic_write_json(tmp_path / "x.json", {"a": float("nan"), "b": [float("inf"), 1.0]})
-    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": [None, 1.0]}
 
 
 def test_reports_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

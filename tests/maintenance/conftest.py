@@ -2,7 +2,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway.app import create_app
+from appliance.app import create_app
 from appliance.settings import Settings
 from tests.maintenance.support import fleet
 

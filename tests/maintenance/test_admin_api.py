@@ -70,6 +70,21 @@ def test_format_status_shows_next_window_and_last_restart(make_app):
     assert "last action: rolling_restart (admin) ok" in text
 
 
+def test_status_shows_spawn_failures_and_their_last_error(make_app):
+    from appliance.admin_client import format_status
+
+    client, replicas, _registry = make_app()
+    replicas[1].drain()
+    replicas[1].status.spawn_failures = 3
+    replicas[1].status.last_error = "spawn failed: FileNotFoundError: [Errno 2] No such file or directory: 'vllm'"
+    status = client.get("/admin/status", headers=AUTH).json()
+    assert status["replicas"][1]["spawn_failures"] == 3
+    assert status["replicas"][1]["last_error"].startswith("spawn failed")
+    text = format_status(status)
+    assert "! replica-1: 3 failed spawn(s); last error: spawn failed: FileNotFoundError" in text
+    assert "replica-0:" not in text
+
+
 def test_cli_restart_needs_a_replica_or_rolling(capsys):
     from appliance.cli import main
 
@@ -82,14 +97,23 @@ def test_replicas_this_appliance_does_not_run_cannot_be_restarted():
     from fastapi.testclient import TestClient
     from prometheus_client import CollectorRegistry
 
-    from appliance.gateway.app import create_app
+    from appliance.app import create_app
     from appliance.settings import Settings
-    from tests.gateway.stub import StubReplica
+    from tests.doubles import FakeReplica
 
-    external = [StubReplica("external-0", "http://127.0.0.1:9")]  # no restart(): like ExternalReplica
+    external = [FakeReplica("external-0", "http://127.0.0.1:9")]  # no restart(): like ExternalReplica
     settings = Settings(admin_token="t0ken", collectors={"enabled": False})
     with TestClient(create_app(settings, replicas=lambda: external, registry=CollectorRegistry())) as client:
         for path in ("/admin/rolling-restart", "/admin/replicas/external-0/restart"):
             response = client.post(path, headers=AUTH)
             assert response.status_code == 409 and response.json()["error"]["code"] == "not_supervised"
         assert client.post("/admin/replicas/nope/restart", headers=AUTH).status_code == 404
+
+
+def test_status_shows_the_kv_cache_dtype(make_app):
+    from appliance.admin_client import format_status
+
+    client, _replicas, _registry = make_app(engine={"kv_cache_dtype": "fp8"})
+    status = client.get("/admin/status", headers=AUTH).json()
+    assert status["kv_cache_dtype"] == "fp8"
+    assert "kv-cache fp8" in format_status(status).splitlines()[0]

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from appliance.gateway.router import EngineLoad
+from appliance.engine.load import EngineLoad
 from appliance.maintenance.metrics import MaintenanceCollector
 from appliance.maintenance.progress import ProgressMonitor
 

@@ -4,6 +4,7 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
+from appliance.app import maintenance_api_error
 from appliance.maintenance.controller import MaintenanceController, http_warmer
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, RollingRestart
@@ -86,7 +87,7 @@ def test_controller_counts_and_refuses_a_second_rolling_restart():
         return refused
 
     refused = asyncio.run(scenario())
-    assert refused.status == 409
+    assert maintenance_api_error(refused).status == 409
     value = registry.get_sample_value
     assert value("appliance_maintenance_actions_total",
                  {"action": "rolling_restart", "trigger": "admin", "result": "ok"}) == 1
@@ -105,9 +106,10 @@ def test_http_warmer_sends_one_small_completion(stubs):
 
 def test_a_hung_replica_is_restarted_without_waiting_out_the_drain():
     replicas = fleet(["http://a", "http://b"])
-    replicas[0].status.outstanding = 3  # stuck requests: they will never finish
+    in_flight = {"replica-0": 3}  # stuck requests: they will never finish
     slow_drain = RestartTimeouts(drain_seconds=60, ready_seconds=1, poll_seconds=0.01)
-    controller = MaintenanceController(lambda: replicas, RestartProcedure(slow_drain, Warmer()), min_ready=1,
+    procedure = RestartProcedure(slow_drain, Warmer(), in_flight=lambda name: in_flight.get(name, 0))
+    controller = MaintenanceController(lambda: replicas, procedure, min_ready=1,
                                        metrics=MaintenanceMetrics(CollectorRegistry()),
                                        is_hung=lambda name: name == "replica-0")
 

@@ -64,7 +64,7 @@ def test_resolved_and_unlisted_alerts_are_only_recorded(make_app):
     assert [d["action"] for d in decisions] == ["none", "none"]
     wait_idle(client)
     assert [r.status.restarts for r in replicas] == [0, 0]
-    assert alerts_seen(registry, "HighTTFT", "firing", "none") == 1
+    assert alerts_seen(registry, "other", "firing", "none") == 1  # off the whitelist: one bounded series
     assert registry.get_sample_value("appliance_maintenance_actions_total",
                                      {"action": "restart", "trigger": "alert", "result": "ok"}) is None
 
@@ -129,3 +129,15 @@ def test_webhook_needs_the_admin_token(make_app):
     assert disabled.post("/admin/alerts", json=body, headers=AUTH).status_code == 403
     time.sleep(0.1)
     assert [r.status.restarts for r in replicas] == [0, 0]
+
+
+def test_alert_names_off_the_whitelist_share_one_series(make_app):
+    client, _replicas, registry = make_app()
+    invented = [alert(f"Invented{i}", replica=None, fingerprint=f"x{i}") for i in range(200)]
+    client.post("/admin/alerts", json=payload(*invented), headers=AUTH)
+    client.post("/admin/alerts", json=payload(*(a | {"status": "resolved"} for a in invented)), headers=AUTH)
+    series = [s for metric in registry.collect() if metric.name == "appliance_alert_webhook_alerts"
+              for s in metric.samples if s.name.endswith("_total")]
+    assert {s.labels["alertname"] for s in series} == {"other"}
+    assert alerts_seen(registry, "other", "firing", "none") == 200
+    assert alerts_seen(registry, "other", "resolved", "none") == 200

@@ -42,3 +42,10 @@ def quantized(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """(INT8 checkpoint dir, quantize_checkpoint's report) for the demo model, quality check included."""
     dst = tmp_path_factory.mktemp("int8") / "demo-int8"
     return dst, quantize_checkpoint(demo_model_dir, dst)
+
+
+@pytest.fixture(scope="session")
+def quantized_fp8(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(FP8 W8A8 checkpoint dir, quantize_checkpoint's report) for the demo model, quality check included."""
+    dst = tmp_path_factory.mktemp("fp8") / "demo-fp8"
+    return dst, quantize_checkpoint(demo_model_dir, dst, scheme="fp8")

@@ -1,4 +1,5 @@
-"""The W8A8 INT8 quantizer: output layout, size, quality, refusal of bad input, and (slow) serving in vLLM."""
+"""The W8A8 quantizer (INT8 and FP8): output layout, size, quality, refusal of bad input, and (slow) serving in
+vLLM."""
 
 from __future__ import annotations
 
@@ -25,9 +26,7 @@ from appliance.model import quantize
 from appliance.model.quantize import (
     QuantizeError,
     _read_header,
-    fake_quantize_per_token,
     quantize_checkpoint,
-    quantize_weight,
 )
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,6 +43,7 @@ def test_report_size_and_quality(quantized: tuple[Path, dict], demo_model_dir: P
     assert report["bytes_after"] <= 0.6 * report["bytes_before"]
     assert report["ratio"] == pytest.approx(report["bytes_after"] / report["bytes_before"], abs=1e-4)
     assert report["quantized_layers"] == 4 * len(LINEARS)
+    assert (report["scheme"], report["scheme_reason"]) == ("int8", "--scheme int8")
     assert report["eval_tokens"] >= 256
     assert report["top1_agreement"] >= 0.9
     assert 0 <= report["mean_kl"] < 0.05
@@ -148,28 +148,89 @@ def test_sharded_checkpoint(quantized: tuple[Path, dict], demo_model_dir: Path, 
             assert torch.equal(f.get_tensor(name), single[name])  # same result as the unsharded run
 
 
-# --- building blocks -------------------------------------------------------------------------------------------
+# --- FP8 ------------------------------------------------------------------------------------------------------
 
 
-def test_quantize_weight_is_symmetric_per_channel() -> None:
-    torch.manual_seed(0)
-    weight = (torch.randn(8, 32) * torch.logspace(-3, 1, 8)[:, None]).to(torch.bfloat16)
-    weight[3] = 0
-    q, scale = quantize_weight(weight)
-    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (8, 1)
-    assert torch.equal(q[3], torch.zeros(32, dtype=torch.int8))
-    nonzero = [i for i in range(8) if i != 3]
-    assert (q[nonzero].abs().amax(dim=1) >= 126).all()  # the range is used (bf16 scale rounding allows 126)
-    assert ((q.float() * scale.float() - weight.float()).abs() <= scale.float() * 0.51).all()
+def test_fp8_report(quantized_fp8: tuple[Path, dict], demo_model_dir: Path) -> None:
+    dst, report = quantized_fp8
+    assert report["scheme"] == "fp8" and "float-quantized" in report["format"]
+    assert report["bytes_after"] == (dst / "model.safetensors").stat().st_size
+    assert report["bytes_after"] <= 0.6 * report["bytes_before"]
+    assert report["quantized_layers"] == 4 * len(LINEARS)
+    assert report["top1_agreement"] >= 0.9
+    assert 0 <= report["mean_kl"] < 0.05
+    assert report["ppl_after"] == pytest.approx(report["ppl_before"], rel=0.05)
+    json.dumps(report)
 
 
-def test_fake_quantize_per_token() -> None:
-    x = torch.randn(2, 5, 64)
-    x[0, 1] = 0
-    y = fake_quantize_per_token(x)
-    assert torch.equal(y[0, 1], torch.zeros(64))
-    step = x.abs().amax(dim=-1, keepdim=True) / 127
-    assert ((y - x).abs() <= step / 2 + 1e-6).all()
+def test_fp8_tensor_layout_and_config(quantized_fp8: tuple[Path, dict], demo_model_dir: Path) -> None:
+    dst, _ = quantized_fp8
+    original = load_file(demo_model_dir / "model.safetensors")
+    tensors = load_file(dst / "model.safetensors")
+    for name, tensor in original.items():
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.") and module.rsplit(".", 1)[-1] in LINEARS:
+            q, scale = tensors[name], tensors[module + ".weight_scale"]
+            assert q.dtype == torch.float8_e4m3fn and q.shape == tensor.shape
+            assert scale.dtype == torch.float32 and scale.shape == (tensor.shape[0], 1)
+        else:
+            assert torch.equal(tensors[name], tensor)
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["format"]) == ("compressed-tensors", "float-quantized")
+    group = qc["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("float", "channel")
+    assert (group["input_activations"]["type"], group["input_activations"]["strategy"],
+            group["input_activations"]["dynamic"]) == ("float", "token", True)
+
+
+def test_fp8_checkpoint_decompresses_with_compressed_tensors(quantized_fp8: tuple[Path, dict],
+                                                            demo_model_dir: Path) -> None:
+    """compressed-tensors' own reading of the checkpoint: its config model parses the quantization_config, the
+    compressor it registers for the format decompresses every layer to (close to) the original weights."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    dst, _ = quantized_fp8
+    config = QuantizationConfig.model_validate(json.loads((dst / "config.json").read_text())["quantization_config"])
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    assert isinstance(compressor, type) and compressor.__name__ == "FloatQuantizationCompressor", ct.__version__
+    scheme = config.config_groups["group_0"]
+    assert compressor.can_compress(torch.nn.Linear, scheme)
+    original = load_file(demo_model_dir / "model.safetensors")
+    tensors = load_file(dst / "model.safetensors")
+    checked = 0
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        module = name.removesuffix(".weight_scale")
+        state = compressor.decompress({"weight": tensors[module + ".weight"], "weight_scale": tensors[name]}, scheme)
+        weight, reference = state["weight"].float(), original[module + ".weight"].float()
+        bound = torch.maximum(reference.abs() / 16, tensors[name] * 2.0**-10) + 1e-12  # e4m3: 3 mantissa bits
+        assert ((weight - reference).abs() <= bound).all(), module
+        checked += 1
+    assert checked == 4 * len(LINEARS)
+
+
+def test_auto_scheme_without_nvml_is_int8(demo_model_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML at all (CPU hosts, containers without a driver)
+    report = quantize_checkpoint(demo_model_dir, tmp_path / "auto", scheme="auto", evaluate=False)
+    assert report["scheme"] == "int8" and "NVML is not installed" in report["scheme_reason"]
+    assert _read_header(tmp_path / "auto" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"][0] == "I8"
+
+
+def test_auto_scheme_on_hopper_is_fp8(demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.model import precision
+
+    monkeypatch.setattr(precision, "nvml_compute_capability", lambda: ((9, 0), "NVML: 1 GPU(s), 9.0"))
+    report = quantize_checkpoint(demo_model_dir, tmp_path / "auto", scheme="auto", evaluate=False)
+    assert report["scheme"] == "fp8"
+    assert _read_header(tmp_path / "auto" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"][0] == "F8_E4M3"
+
+
+def test_unknown_scheme_is_refused(demo_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(QuantizeError, match="unknown scheme 'int4'"):
+        quantize_checkpoint(demo_model_dir, tmp_path / "x", scheme="int4")
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- refusals --------------------------------------------------------------------------------------------------

@@ -140,3 +140,16 @@ def test_every_alert_has_promtool_cases(alert_rules: list[dict]) -> None:
         assert name in annotated, f"no promtool case asserts the annotations of {name}"
         if name != "Watchdog":  # the dead man's switch is never quiet
             assert quiet.get(name), f"no promtool case where {name} stays quiet"
+
+
+def test_prefix_cache_recording_rules_are_unit_tested() -> None:
+    """The hit-ratio records (per replica and per model) have promtool cases with expected values."""
+    tested = {case["expr"] for path in TEST_FILES for test in yaml.safe_load(path.read_text())["tests"]
+              for case in test.get("promql_expr_test", [])}
+    assert {"model_replica:vllm_prefix_cache_hit:ratio_rate5m", "model:vllm_prefix_cache_hit:ratio_rate5m"} <= tested
+
+
+def test_rule_groups_are_plain_data_equal_to_the_files(config: dict) -> None:
+    """What a Kubernetes PrometheusRule generator would call: every group, equal to the committed files."""
+    committed = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]]
+    assert rules.rule_groups(config) == committed

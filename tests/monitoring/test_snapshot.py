@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance.engine.replica import ReplicaState
+from appliance.engine.contract import ReplicaState
 from appliance.monitoring import snapshot as snap
 from appliance.monitoring.dashboards import DASHBOARDS_DIR
 from tests.tools import require_tool
@@ -134,12 +135,13 @@ def test_overview_snapshot(loaded_prometheus: str, tmp_path: Path, capsys: pytes
                "--dashboards-dir", str(DASHBOARDS_DIR), "--out", str(out)) == 0
     assert "index.html" in capsys.readouterr().out
     board = json.loads((DASHBOARDS_DIR / "appliance-overview.json").read_text())
+    shown = [p for p in board["panels"] if p["type"] != "row"]  # row headers have no queries and no image
     document = json.loads((out / "results.json").read_text())
     index = (out / "index.html").read_text()
     assert document["dashboard"] == "appliance-overview" and document["rate_interval"] == "60s"
     assert "Appliance / Service &amp; SLOs" in index
-    assert [p["id"] for p in document["panels"]] == [p["id"] for p in board["panels"]]
-    for panel, result in zip(board["panels"], document["panels"], strict=True):
+    assert [p["id"] for p in document["panels"]] == [p["id"] for p in shown]
+    for panel, result in zip(shown, document["panels"], strict=True):
         assert is_png(out / result["image"]), result["image"]
         assert f'src="{result["image"]}"' in index
         assert panel["description"].replace("&", "&amp;").replace("'", "&#x27;") in index
@@ -157,6 +159,10 @@ def test_overview_snapshot(loaded_prometheus: str, tmp_path: Path, capsys: pytes
     for title in ("ITL percentiles (gateway)", "Tokens per second", "Engine TTFT p95 by replica (vLLM)"):
         assert panel_by_title(document, title)["status"] == "no data", title
     assert index.count('class="nodata">no data<') == sum(p["status"] == "no data" for p in document["panels"])
+    # Panels appear under their row's heading, in dashboard order.
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert re.findall(r'<h2 class="row">([^<]*)</h2>', index) == rows
+    assert panel_by_title(document, "TTFT distribution")["row"] == "Latency distributions"
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary folders left behind"
 
 

@@ -7,9 +7,10 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from appliance.gateway.auth import require_api_key
-from appliance.gateway.errors import APIError
+from appliance.gateway.routing import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from appliance.http.auth import require_api_key
+from appliance.http.errors import APIError
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["openai"])
 
@@ -25,13 +26,13 @@ async def list_models(request: Request) -> ModelList:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     _check_common(request, body, body.max_tokens)
-    return await _forward(request, "completions", "/v1/completions", body.stream)
+    return await _forward(request, "completions", "/v1/completions", body.stream, render_completion(body.prompt))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     _check_common(request, body, body.max_completion_tokens or body.max_tokens)
-    return await _forward(request, "chat", "/v1/chat/completions", body.stream)
+    return await _forward(request, "chat", "/v1/chat/completions", body.stream, render_chat(body.messages))
 
 
 def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
@@ -48,7 +49,8 @@ def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequ
                        headers={"Retry-After": "10"})
 
 
-async def _forward(request: Request, route: str, path: str, stream: bool) -> Response:
+async def _forward(request: Request, route: str, path: str, stream: bool, prompt: str) -> Response:
     arrived = request.scope.get("appliance.arrived", time.monotonic())
     body = await request.body()  # cached by Starlette: the exact bytes the client sent
-    return await request.app.state.upstream.forward(request, route, path, body, stream=stream, arrived=arrived)
+    return await request.app.state.upstream.forward(request, route, path, body, stream=stream, arrived=arrived,
+                                                     prompt=prompt)

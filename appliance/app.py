@@ -1,0 +1,110 @@
+"""The composition root: ``create_app()`` builds every part of a running appliance and wires them together.
+
+    fleet (engine replicas) -> gateway (router, admission, proxy, engine-load poller)
+                            -> collectors (read the replicas and the gateway's engine readings)
+                            -> maintenance (reads the data path through DataPathView; acts on replicas)
+    FastAPI app: the gateway's routes, maintenance's routes, /admin/status; errors mapped to HTTP here
+
+Only this module knows all the parts; each part knows replicas only through ``appliance.engine.contract``. All
+state lives on ``app.state``, nothing in module globals, so tests build as many apps as they like.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
+
+from appliance import status, version
+from appliance.collectors import register_collectors
+from appliance.engine.contract import Fleet, Reconfigurable, Replica
+from appliance.gateway.core import Gateway, build_gateway
+from appliance.gateway.limits import RequestIntake
+from appliance.http.errors import APIError, install_error_handlers
+from appliance.maintenance import routes as maintenance_routes
+from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
+from appliance.maintenance.reload import InvalidConfig
+from appliance.maintenance.service import DataPathView, build_maintenance
+from appliance.maintenance.traffic import counter_total
+from appliance.settings import Settings
+
+
+def create_app(
+    settings: Settings,
+    *,
+    fleet: Fleet | None = None,
+    replicas: Callable[[], Sequence[Replica]] | None = None,
+    registry: CollectorRegistry | None = None,
+    span_exporter: SpanExporter | None = None,
+) -> FastAPI:
+    """Build the appliance. With a ``fleet`` it owns the engines' life (starts them with the app, stops them
+    after the drain); ``replicas`` alone serves a fixed set (tests, or engines run by someone else)."""
+    if replicas is None:
+        if fleet is None:
+            raise ValueError("create_app needs a fleet or a replicas provider")
+        replicas = lambda: fleet.replicas  # noqa: E731
+
+    registry = registry if registry is not None else CollectorRegistry()
+    gateway = build_gateway(settings, replicas, registry, span_exporter)
+    register_collectors(registry, replicas=replicas, router_load=gateway.router.loads, settings=settings.collectors,
+                        model_dir=settings.model, state_dir=settings.state_dir)
+    router = gateway.router
+    maintenance = build_maintenance(settings, registry=registry, replicas=replicas, data_path=DataPathView(
+        in_flight=router.in_flight, loads=router.loads, queue_length=lambda: gateway.admission.queue_length,
+        requests_total=counter_total(gateway.metrics.requests)),
+        stage=fleet.stage if isinstance(fleet, Reconfigurable) else None)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gateway.upstream.open()
+        if fleet is not None:
+            await fleet.start()
+        gateway.poller.start()
+        maintenance.start()
+        try:
+            yield
+        finally:
+            await maintenance.stop()
+            await gateway.poller.stop()
+            if fleet is not None:
+                await fleet.stop()
+            await gateway.upstream.close()
+            gateway.tracer_provider.shutdown()
+
+    app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan)
+    app.state.settings = settings
+    app.state.fleet = fleet
+    app.state.replicas = replicas
+    app.state.gateway = gateway
+    app.state.router = gateway.router
+    app.state.admission = gateway.admission
+    app.state.upstream = gateway.upstream
+    app.state.registry = registry
+    app.state.metrics = gateway.metrics
+    app.state.tracer_provider = gateway.tracer_provider
+    app.state.maintenance = maintenance
+    app.state.fleet_status = status.FleetStatus(settings, gateway, maintenance)
+    app.state.draining = False
+    app.state.started_at = time.time()
+    install_error_handlers(app, on_error=gateway.metrics.count_unproxied,
+                           translate={MaintenanceError: maintenance_api_error})
+    app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes,
+                       on_reject=gateway.metrics.count_unproxied)
+    for route in (*Gateway.routes(), maintenance_routes.router, status.router):
+        app.include_router(route)
+    return app
+
+
+def maintenance_api_error(exc: Exception) -> APIError:
+    """Maintenance refusals as HTTP: the one place their status codes are decided (404 no such replica, 400 a
+    reloaded configuration that does not validate, 409 busy, not ours to restart, below min_ready, cannot roll)."""
+    assert isinstance(exc, MaintenanceError)
+    if isinstance(exc, ReplicaNotFound):
+        return APIError(404, exc.message, param="name", code=exc.code)
+    if isinstance(exc, InvalidConfig):
+        return APIError(400, exc.message, code=exc.code)
+    return APIError(409, exc.message, code=exc.code)

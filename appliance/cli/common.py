@@ -1,0 +1,46 @@
+"""What every command module shares: how a subcommand is added, the --config flag, settings, logging."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from appliance.exit_codes import EXIT_FAILED
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class CLIError(Exception):
+    """A failure the user can act on: printed as one line, with its exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def add_command(sub: Any, name: str, help: str, handler: Handler, *, config: bool = False,
+                description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows every default; ``config`` adds the --config flag."""
+    parser = sub.add_parser(name, help=help, description=description or help,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.set_defaults(handler=handler)
+    if config:
+        parser.add_argument("--config", type=Path, default=None,
+                            help="YAML settings file (APPLIANCE_* environment variables win)")
+    return parser
+
+
+def load(args: argparse.Namespace):
+    from appliance.settings import load_settings
+
+    return load_settings(getattr(args, "config", None))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # libraries that log every request or job at INFO drown the appliance's own lines
+        for noisy in ("httpx", "apscheduler"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,123 @@
+"""``appliance serve``, ``up``, ``config`` and ``monitoring-config``: running the appliance and what it reads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from appliance.admin_token import ensure_admin_token
+from appliance.cli.common import add_command, load, setup_logging
+from appliance.config_view import config_dump, redact_argv
+from appliance.settings import ConfigError
+
+
+def register(sub: Any) -> None:
+    add_command(sub, "serve", "gateway + engine replicas; drains on SIGTERM", cmd_serve, config=True)
+
+    p = add_command(sub, "up", "the embedded default: demo model if none configured, serve, plus local Prometheus "
+                               "and Alertmanager when installed", cmd_up, config=True)
+    p.add_argument("--no-monitoring", action="store_true",
+                   help="do not start local Prometheus/Alertmanager (compose runs its own)")
+
+    p = add_command(sub, "monitoring-config", "render Prometheus' and Alertmanager's configuration and the alert "
+                                              "rules into a folder (compose init)", cmd_monitoring_config, config=True)
+    p.add_argument("--out", type=Path, required=True, help="folder to write (created if missing)")
+    p.add_argument("--gateway", default="127.0.0.1:8000", help="gateway host:port as Prometheus reaches it")
+    p.add_argument("--alertmanager", default="127.0.0.1:9093", help="Alertmanager host:port; empty: none")
+    p.add_argument("--prometheus", default="localhost:9090", help="Prometheus' own host:port (self-scrape)")
+    p.add_argument("--shared", action="store_true", help="make every file world-readable (other containers' users)")
+
+    p = add_command(sub, "config", "print the effective configuration as YAML", cmd_config, config=True)
+    p.add_argument("--show-secrets", action="store_true",
+                   help="print api_keys, tokens and credentials in URLs and engine flags in clear")
+    p.add_argument("--engines", action="store_true", help="also print each replica's engine command line")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from appliance.serve import serve
+
+    settings = load(args)
+    if not settings.engine_urls and settings.role != "gateway":  # a gateway finds its engines, it runs none
+        if settings.model is None:
+            raise ConfigError("model is not set (APPLIANCE_MODEL or `model:` in --config); "
+                              "`appliance up` builds and serves the demo model")
+        if not (settings.model / "config.json").is_file():
+            raise ConfigError(f"model {settings.model} is not a Hugging Face checkpoint directory (no config.json)")
+    setup_logging(settings.log_level)
+    return serve(settings)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from appliance.serve import serve
+
+    settings = load(args)
+    setup_logging(settings.log_level)
+    if settings.model is None:
+        settings = settings.model_copy(update={"model": ensure_demo_model(settings.state_dir / "models")})
+    if settings.admin_token is None:
+        settings = settings.model_copy(update={"admin_token": ensure_admin_token(settings.state_dir)})
+        print(f"appliance: admin token in {settings.state_dir / 'admin-token'} (status/drain/restart read it there; "
+              "Alertmanager posts alerts with it)")
+    monitoring = None
+    if settings.monitoring.local and not args.no_monitoring:
+        from appliance.monitoring.local import LocalMonitoring
+
+        monitoring = LocalMonitoring(settings)
+        for service in monitoring.start():
+            print(f"appliance: {service.name:<12} {service.url}")
+    base = f"http://{settings.host}:{settings.port}"
+    print(f"appliance: gateway      {base}/v1  (model '{settings.served_model_name}', {settings.replicas} replica(s))")
+    print(f"appliance: metrics      {base}/metrics   health {base}/health/ready")
+    print(f"appliance: logs         {settings.state_dir / 'logs'}")
+    sys.stdout.flush()
+    try:
+        return serve(settings)
+    finally:
+        if monitoring is not None:
+            monitoring.stop()
+
+
+def cmd_monitoring_config(args: argparse.Namespace) -> int:
+    from appliance.monitoring.bundle import write_bundle
+
+    settings = load(args)
+    bundle = write_bundle(args.out, settings, gateway=args.gateway, alertmanager=args.alertmanager or None,
+                          prometheus=args.prometheus, shared=args.shared)
+    print(f"appliance: wrote {bundle.prometheus_config}, {bundle.alertmanager_config} and {bundle.rules_dir}/")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = load(args)
+    print(yaml.safe_dump(config_dump(settings, show_secrets=args.show_secrets), sort_keys=False), end="")
+    if args.engines and settings.model is None:
+        print("# engines: no model set; `appliance serve` builds the demo model at start and runs that")
+    elif args.engines:
+        from appliance.engine.supervisor import build_specs
+        from appliance.serve import engine_extra_env
+
+        for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
+            env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+            command = spec.command if args.show_secrets else redact_argv(spec.command)
+            print(f"# {spec.name}: {env} {' '.join(command)}")
+    return 0
+
+
+def ensure_demo_model(models_dir: Path) -> Path:
+    """The INT8 demo model under ``models_dir``, built once and reused."""
+    from appliance.model.demo import build_demo_model
+    from appliance.model.quantize import quantize_checkpoint
+
+    bf16, int8 = models_dir / "demo-bf16", models_dir / "demo-int8"
+    if not (int8 / "config.json").is_file():
+        if not (bf16 / "config.json").is_file():
+            print(f"appliance: building the demo model in {bf16} (about a minute, once)", flush=True)
+            build_demo_model(bf16, overwrite=True)
+        print(f"appliance: quantizing it to W8A8 INT8 in {int8}", flush=True)
+        quantize_checkpoint(bf16, int8, evaluate=False)
+    return int8
+

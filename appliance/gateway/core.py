@@ -1,0 +1,79 @@
+"""The data path assembled: router, admission, the upstream proxy, the engine-load poller and request metrics.
+
+It knows replicas only through ``appliance.engine.contract.Replica`` and knows nothing of maintenance; the
+composition root (``appliance.app``) builds it and hands the pieces maintenance needs as plain callables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
+
+from appliance.engine.contract import Replica
+from appliance.engine.load import EngineLoadPoller
+from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.metrics import FleetCollector, RequestMetrics
+from appliance.gateway.proxy import Upstream
+from appliance.gateway.router import Router
+from appliance.gateway.routes import health, metrics, openai
+from appliance.gateway.tracing import build_tracer_provider
+from appliance.settings import Settings
+
+
+@dataclass
+class Gateway:
+    router: Router
+    admission: Admission
+    upstream: Upstream
+    poller: EngineLoadPoller
+    metrics: RequestMetrics
+    tracer_provider: TracerProvider
+
+    async def open(self) -> None:
+        await self.upstream.open()
+        self.poller.start()
+
+    async def close(self) -> None:
+        await self.poller.stop()
+        await self.upstream.close()
+        self.tracer_provider.shutdown()
+
+    @staticmethod
+    def routes() -> list[APIRouter]:
+        return [openai.router, health.router, metrics.router]
+
+
+def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,
+                  span_exporter: SpanExporter | None = None) -> Gateway:
+    limits = ConcurrencyLimits(_limit_factory(settings))
+    router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
+    admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
+                          else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds)
+    request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
+    registry.register(FleetCollector(router, admission))
+    tracer_provider = build_tracer_provider(settings, span_exporter)
+    upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
+                        timeout_seconds=settings.request_timeout_seconds,
+                        tracing=_records_traces(settings, span_exporter))
+    poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
+                              on_poll=admission.dispatch)
+    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider)
+
+
+def _records_traces(settings: Settings, exporter: SpanExporter | None) -> bool:
+    return bool(settings.otlp_traces_endpoint or exporter) and settings.trace_sample_ratio > 0
+
+
+def _limit_factory(settings: Settings) -> Callable[[], AIMDLimit] | None:
+    admission = settings.admission
+    if not admission.enabled:
+        return None
+    ceiling = admission.max_limit or settings.engine.max_num_seqs
+    initial = admission.initial_limit or ceiling
+    target = settings.slo_ttft_p95_seconds * admission.target_ttft_fraction
+    return lambda: AIMDLimit(initial, admission.min_limit, ceiling, target, admission.decrease_factor)

@@ -1,0 +1,106 @@
+"""Policies: how the candidates that passed the filters become one choice.
+
+``WeightedPolicy`` sums each scorer's score times its weight (unknown scores count as neutral, 0.5); equal totals
+are ordered by the tie-breaker scorers in turn, then by the replica's position. With the default weights
+(outstanding 1, prefix 1, KV and queue 0 as tie-breakers) and prompts that share nothing, that is exactly the
+older fixed policy: fewest outstanding requests, then lower KV-cache usage, then shorter queue, then lower index.
+
+``RoundRobinPolicy`` rotates through the candidates: the baseline the prefix-routing benchmark compares against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from appliance.engine.contract import Replica
+from appliance.gateway.routing.request import Decision, RoutingRequest
+from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorer
+from appliance.gateway.routing.view import RoutingView
+from appliance.settings import RoutingScorerSettings
+
+# Every value the "decided_by" metric label can take: bounded by construction.
+DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "tie_kv_cache", "tie_queue", "tie_outstanding",
+            "tie_prefix", "index", "single", "round_robin")
+_TOTAL_DIGITS = 9  # totals equal to this many decimals are ties (float sums of the same scores)
+
+
+class Policy(Protocol):
+    name: str
+    prefix: PrefixScorer | None
+
+    def observe(self, replicas: Sequence[Replica]) -> None: ...
+
+    def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> Decision: ...
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+    prefix = None
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def observe(self, replicas: Sequence[Replica]) -> None:
+        return None
+
+    def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> Decision:
+        replica = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return Decision(replica.name, 0.0, "round_robin" if len(candidates) > 1 else "single")
+
+
+class WeightedPolicy:
+    name = "weighted"
+
+    def __init__(self, weighted: Sequence[tuple[Scorer, float]], tie_breakers: Sequence[Scorer]) -> None:
+        self.weighted = [(s, w) for s, w in weighted if w > 0]
+        self.tie_breakers = list(tie_breakers)
+        self._all = {s.name: s for s, _ in self.weighted} | {s.name: s for s in self.tie_breakers}
+        self.prefix = next((s for s in self._all.values() if isinstance(s, PrefixScorer)), None)
+
+    def observe(self, replicas: Sequence[Replica]) -> None:
+        for scorer in self._all.values():
+            scorer.observe(replicas)
+
+    def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> Decision:
+        scores = {name: _neutral(s.scores(candidates, view, request)) for name, s in self._all.items()}
+        totals = [sum(w * scores[s.name][i] for s, w in self.weighted) for i in range(len(candidates))]
+        keys = [(round(totals[i], _TOTAL_DIGITS), *(scores[t.name][i] for t in self.tie_breakers), -i)
+                for i in range(len(candidates))]
+        order = sorted(range(len(candidates)), key=keys.__getitem__, reverse=True)
+        best = order[0]
+        replica = candidates[best]
+        decided = "single" if len(order) == 1 else self._decider(keys, scores, best, order[1])
+        prefix = scores["prefix"][best] if "prefix" in scores else None
+        for scorer in self._all.values():
+            scorer.chosen(replica, request)
+        return Decision(replica.name, totals[best], decided, prefix)
+
+    def _decider(self, keys: list[tuple], scores: dict[str, list[float]], best: int, runner_up: int) -> str:
+        if keys[best][0] != keys[runner_up][0]:  # the weighted totals differ: the largest weighted difference
+            def gain(weighted: tuple[Scorer, float]) -> float:
+                scorer, weight = weighted
+                return weight * (scores[scorer.name][best] - scores[scorer.name][runner_up])
+
+            return max(self.weighted, key=gain)[0].name
+        for position, scorer in enumerate(self.tie_breakers, start=1):
+            if keys[best][position] != keys[runner_up][position]:
+                return f"tie_{scorer.name}"
+        return "index"
+
+
+def _neutral(scores: list[Score]) -> list[float]:
+    return [NEUTRAL if s is None else s for s in scores]
+
+
+def build_policy(settings: RoutingScorerSettings) -> Policy:
+    if settings.policy == "round_robin":
+        return RoundRobinPolicy()
+    scorers = {name: build_scorer(name, settings.prefix) for name in type(settings.weights).model_fields}
+    weights = settings.weights.model_dump()
+    return WeightedPolicy([(scorers[name], weights[name]) for name in scorers],
+                          [scorers[name] for name in settings.tie_breakers])

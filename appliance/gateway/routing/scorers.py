@@ -1,0 +1,161 @@
+"""Scorers: each rates every candidate from 0 (worst) to 1 (best), or None when it cannot tell (neutral).
+
+Load scorers read the gateway's own in-flight counts (exact) or the engines' readings (KV-cache usage, queue),
+which the router reports as unknown when they are stale or lag behind what the gateway knows it sent; unknown
+counts as neutral, so the decision then rests on the in-flight counts. The prefix scorer rates how much of the
+prompt's prefix was recently sent to each replica, within a bounded load.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from appliance.engine.contract import Replica, ReplicaState
+from appliance.gateway.routing.prefix_index import PrefixIndex
+from appliance.gateway.routing.request import RoutingRequest
+from appliance.gateway.routing.view import RoutingView
+from appliance.settings import PrefixScorerSettings
+
+Score = float | None
+NEUTRAL = 0.5
+
+
+class Scorer(Protocol):
+    name: str
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]: ...
+
+    def observe(self, replicas: Sequence[Replica]) -> None:
+        """Every replica, before each decision (to notice restarts)."""
+        ...
+
+    def chosen(self, replica: Replica, request: RoutingRequest | None) -> None:
+        """The request went to ``replica``."""
+        ...
+
+
+class _Stateless:
+    def observe(self, replicas: Sequence[Replica]) -> None:
+        return None
+
+    def chosen(self, replica: Replica, request: RoutingRequest | None) -> None:
+        return None
+
+
+class OutstandingScorer(_Stateless):
+    """1 - n / (total + 1): a replica's share of the gateway's in-flight requests, inverted. Strictly decreasing in
+    its own count, so alone it is least-outstanding-requests."""
+
+    name = "outstanding"
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]:
+        counts = [view.in_flight(r.name) for r in candidates]
+        total = sum(counts)
+        return [1.0 - n / (total + 1) for n in counts]
+
+
+class KvCacheScorer(_Stateless):
+    """1 - KV-cache usage (to 2 decimals, so that noise does not decide); unknown when the reading is not fresh."""
+
+    name = "kv_cache"
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]:
+        out: list[Score] = []
+        for replica in candidates:
+            load = view.engine_load(replica.name)
+            usage = None if load is None else load.kv_cache_usage
+            out.append(None if usage is None else 1.0 - round(min(max(usage, 0.0), 1.0), 2))
+        return out
+
+
+class QueueScorer(_Stateless):
+    """1 - waiting / (longest known queue + 1); unknown when the reading is not fresh."""
+
+    name = "queue"
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]:
+        waiting: list[float | None] = []
+        for replica in candidates:
+            load = view.engine_load(replica.name)
+            waiting.append(None if load is None else load.waiting)
+        longest = max((w for w in waiting if w is not None), default=0.0)
+        return [None if w is None else 1.0 - w / (longest + 1) for w in waiting]
+
+
+# States in which the engine's cache is gone or about to be (a drain keeps it).
+_CACHE_LOST = frozenset({ReplicaState.STARTING, ReplicaState.UNHEALTHY, ReplicaState.BACKOFF,
+                         ReplicaState.STOPPING, ReplicaState.STOPPED})
+
+
+class PrefixScorer:
+    """Matched prefix length / prompt length, for the blocks recently sent to each replica.
+
+    Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a replica that would then hold more
+    than ceil(load_factor * mean) in-flight requests scores 0, so affinity never piles a hot conversation onto
+    one replica while another idles."""
+
+    name = "prefix"
+
+    def __init__(self, settings: PrefixScorerSettings) -> None:
+        self.block_chars = settings.block_chars
+        self.load_factor = settings.load_factor
+        self.index = PrefixIndex(settings.index_bytes)
+        self.yields = 0  # decisions where a matching replica was passed over for its load
+        self.forgotten = 0  # replica restarts that dropped its entries
+        self._lives: dict[str, tuple] = {}
+
+    def observe(self, replicas: Sequence[Replica]) -> None:
+        for replica in replicas:
+            status = replica.status
+            life = (status.starts, status.restarts, status.last_start_time, status.pid)
+            known = self._lives.get(replica.name)
+            lost = status.state in _CACHE_LOST
+            if (known is not None and known != life) or (lost and known is not None):
+                self.index.forget(replica.name)
+                self.forgotten += 1
+            if lost:
+                self._lives.pop(replica.name, None)
+            else:
+                self._lives[replica.name] = life
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]:
+        if request is None or not request.prompt:
+            return [0.0] * len(candidates)
+        hashes = request.hashes(self.block_chars)
+        if not hashes:
+            return [0.0] * len(candidates)
+        counts = [view.in_flight(r.name) for r in candidates]
+        bound = math.ceil(self.load_factor * (sum(counts) + 1) / len(candidates))
+        out: list[Score] = []
+        yielded = False
+        for replica, count in zip(candidates, counts, strict=True):
+            ratio = self.index.matched_blocks(replica.name, hashes) * self.block_chars / len(request.prompt)
+            if ratio > 0 and count + 1 > bound:
+                yielded = True
+                ratio = 0.0
+            out.append(ratio)
+        self.yields += yielded
+        return out
+
+    def match_of(self, replica: Replica, request: RoutingRequest) -> float:
+        hashes = request.hashes(self.block_chars)
+        if not hashes:
+            return 0.0
+        return self.index.matched_blocks(replica.name, hashes) * self.block_chars / len(request.prompt)
+
+    def chosen(self, replica: Replica, request: RoutingRequest | None) -> None:
+        if request is not None and request.prompt:
+            self.index.record(replica.name, request.hashes(self.block_chars))
+
+
+def build_scorer(name: str, prefix: PrefixScorerSettings) -> Scorer:
+    if name == "prefix":
+        return PrefixScorer(prefix)
+    return {"outstanding": OutstandingScorer, "kv_cache": KvCacheScorer, "queue": QueueScorer}[name]()

@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the gateway, maintenance and the admin API: OpenAI error JSON, authentication."""

@@ -1,0 +1,30 @@
+"""Why a maintenance action was refused. Maintenance raises these; the HTTP layer maps them to status codes in
+one place (``appliance.app``), and the scheduler and the alert webhook record them as skipped actions."""
+
+from __future__ import annotations
+
+
+class MaintenanceError(Exception):
+    code = "maintenance_error"
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class ReplicaNotFound(MaintenanceError):
+    code = "replica_not_found"
+
+
+class MaintenanceBusy(MaintenanceError):
+    code = "maintenance_in_progress"
+
+
+class NotSupervised(MaintenanceError):
+    code = "not_supervised"
+
+
+class BelowMinReady(MaintenanceError):
+    """The action would leave fewer than ``maintenance.min_ready_replicas`` replicas routable."""
+
+    code = "min_ready_replicas"

@@ -1,0 +1,125 @@
+"""``appliance reload`` / ``POST /admin/reload``: re-read the configuration given at start and roll the replicas
+onto the new engine settings, one at a time (the rolling restart, so ``min_ready_replicas`` holds).
+
+What can roll: the ``engine`` section (vLLM's flags, its environment, its timeouts), because each replica's
+command line is rebuilt from it at its next start. What cannot: anything the running gateway, collectors or
+maintenance were built from at start (ports, host, replica count, model, served name, routing, admission, keys,
+maintenance ...), and ``engine.tensor_parallel_size`` (it changes which devices a replica holds, and replicas
+restarted one at a time would overlap the ones not yet restarted). A reload that changes any of those is refused
+as a whole, with the keys listed, and nothing changes: restart the appliance for them.
+
+The configuration is re-read from the same file and explicit overrides as at start, with the environment of the
+running process. Values the start command filled in itself (``appliance up``: the demo model, the generated
+admin token) are kept as long as the file still leaves them as it did at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.maintenance.controller import MaintenanceController
+from appliance.maintenance.errors import MaintenanceBusy, MaintenanceError
+from appliance.settings import ConfigError, Settings
+
+log = logging.getLogger(__name__)
+
+NOT_ROLLABLE_ENGINE_KEYS = frozenset({"engine.tensor_parallel_size"})
+
+
+class ReloadUnavailable(MaintenanceError):
+    code = "reload_unavailable"
+
+
+class ReloadRefused(MaintenanceError):
+    code = "reload_refused"
+
+
+class InvalidConfig(MaintenanceError):
+    code = "invalid_config"
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    changed: list[str]  # dotted keys (values are not echoed: extra_args may hold secrets)
+    rolling_restart: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"changed": self.changed, "rolling_restart": self.rolling_restart}
+
+
+def changed_keys(old: Settings, new: Settings) -> list[str]:
+    """Dotted names of the settings that differ (one level into sections: ``engine.max_num_seqs``)."""
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    keys: list[str] = []
+    for key in sorted(a.keys() | b.keys()):
+        before, after = a.get(key), b.get(key)
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            subs = sorted(before.keys() | after.keys())
+            keys += [f"{key}.{sub}" for sub in subs if before.get(sub) != after.get(sub)]
+        else:
+            keys.append(key)
+    return keys
+
+
+def rollable(key: str) -> bool:
+    return key.startswith("engine.") and key not in NOT_ROLLABLE_ENGINE_KEYS
+
+
+class ConfigReloader:
+    def __init__(self, settings: Settings, controller: MaintenanceController,
+                 stage: Callable[[Settings], None] | None) -> None:
+        """``stage``: the fleet's ``Reconfigurable.stage``; None when the appliance does not run its engines."""
+        self.current = settings
+        self._controller = controller
+        self._stage = stage
+        self._start_fills = self._fills_at_start(settings)
+
+    def reload(self) -> ReloadResult:
+        """Validate and start the roll; raises ReloadUnavailable, InvalidConfig, ReloadRefused, MaintenanceBusy."""
+        source = self.current.source
+        if source is None or self._stage is None:
+            raise ReloadUnavailable("reload needs an appliance that runs its own engines and was started from a "
+                                    "configuration (file and environment) it can read again")
+        try:
+            new = self._with_start_fills(source.load())
+        except ConfigError as exc:
+            raise InvalidConfig(f"the configuration does not validate, nothing changed: {exc}") from None
+        changed = changed_keys(self.current, new)
+        if not changed:
+            return ReloadResult([], False)
+        blocked = [key for key in changed if not rollable(key)]
+        if blocked:
+            raise ReloadRefused(f"cannot roll {', '.join(blocked)} onto running replicas (only engine.* settings "
+                                "roll, except engine.tensor_parallel_size); restart the appliance for these. "
+                                "Nothing changed.")
+        if self._controller.busy:
+            raise MaintenanceBusy("a restart is in progress; reload again when it is done")
+        self._stage(new)
+        self.current = self.current.model_copy(update={"engine": new.engine})
+        reason = "reload: " + ", ".join(changed)
+        log.info("maintenance: %s; rolling the replicas onto it", reason)
+        self._controller.start_rolling_restart("admin", reason)
+        return ReloadResult(changed, True)
+
+    # -- values the start command set itself ------------------------------------------------------------------
+
+    @staticmethod
+    def _fills_at_start(settings: Settings) -> dict[str, tuple[Any, Any]]:
+        """Top-level key -> (what the source gave at start, what the appliance runs with) where they differ."""
+        if settings.source is None:
+            return {}
+        try:
+            loaded = settings.source.load()
+        except ConfigError:
+            return {}
+        return {key: (getattr(loaded, key), getattr(settings, key)) for key in Settings.model_fields
+                if getattr(loaded, key) != getattr(settings, key)}
+
+    def _with_start_fills(self, new: Settings) -> Settings:
+        keep = {key: running for key, (given, running) in self._start_fills.items() if getattr(new, key) == given}
+        return new.model_copy(update=keep) if keep else new

@@ -1,0 +1,202 @@
+"""The monitoring config, ``alerts/config.yaml``, loaded once into typed, frozen objects.
+
+Every SLO, threshold, ``for:`` duration, scrape-job selector and the runbook URL pattern of the generated rules
+and dashboards lives in that one reviewed file; this module is its only reader. A file that is missing or does
+not match the schema below is an error naming the key, never a silent fall-back to built-in defaults: a default
+would let the dashboards and the pages quietly measure different things.
+
+What the file cannot know by itself (that the TTFT threshold is a bucket bound of the gateway's histogram) is
+checked by its consumer, :func:`appliance.monitoring.rules.validate_config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from appliance.paths import ALERTS_DIR
+
+CONFIG_PATH = ALERTS_DIR / "config.yaml"
+
+# Prometheus durations as the rules write them: 30s, 5m, 1h30m, 1d.
+Duration = Annotated[str, StringConstraints(pattern=r"^(\d+(ms|[smhdwy]))+$")]
+# int | float keeps the number as written (16, not 16.0), so the rendered PromQL reads like the YAML.
+Number = Annotated[int | float, Field(ge=0)]
+Positive = Annotated[int | float, Field(gt=0)]
+Objective = Annotated[float, Field(gt=0, lt=1)]
+
+
+class MonitoringConfigError(ValueError):
+    """alerts/config.yaml cannot be used; the message names the file and the key."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+class Selectors(_Model):
+    """Label matchers of the two scrape jobs: the contract with prometheus.yml (monitoring/prometheus.py)."""
+
+    appliance: str = Field(min_length=1)
+    vllm: str = Field(min_length=1)
+
+
+class AvailabilitySlo(_Model):
+    objective: Objective
+    error_code_regex: str = Field(min_length=1)
+
+
+class TtftSlo(_Model):
+    objective: Objective
+    threshold_seconds: Positive
+
+
+class Slos(_Model):
+    min_request_rate: Number
+    availability: AvailabilitySlo
+    ttft: TtftSlo
+
+
+class BurnRate(_Model):
+    severity: Literal["critical", "warning"]
+    long: Duration
+    short: Duration
+    factor: Positive
+    for_: Duration = Field(alias="for")
+
+
+# --- per-alert knobs: one shape per alert, so a missing or misspelt knob fails here and not in Prometheus --------
+
+
+class For(_Model):
+    for_: Duration = Field(alias="for")
+
+
+class Threshold(For):
+    threshold: Number
+
+
+class ThresholdWindow(Threshold):
+    window: Duration
+
+
+class Fragmentation(ThresholdWindow):
+    rise: Number
+
+
+class AcceleratorStarved(For):
+    feeder_cpu_threshold: Number
+    accelerator_threshold: Number
+    host_cpu_threshold: Number
+    window: Duration
+
+
+class ReplicaHung(For):
+    severity: Literal["critical", "warning"] = "warning"
+
+
+class RestartLoop(For):
+    crashes: Annotated[int, Field(ge=1)]
+    window: Duration
+
+
+class LatencyDrift(For):
+    ratio: Positive
+    min_seconds: Number
+
+
+class SlowModelLoad(For):
+    threshold_seconds: Positive
+
+
+class AlertKnobs(_Model):
+    """``alerts:`` in the file; field names are the alert names."""
+
+    ApplianceDown: For
+    ApplianceAbsent: For
+    ApplianceNoReadyReplica: For
+    ApplianceReplicaNotReady: For
+    ApplianceKVCacheNearFull: ThresholdWindow
+    ApplianceQueueBacklog: ThresholdWindow
+    ApplianceLoadShedding: Threshold
+    AppliancePreemptionStorm: ThresholdWindow
+    ApplianceComputeSaturated: ThresholdWindow
+    ApplianceBandwidthBound: ThresholdWindow
+    ApplianceAcceleratorStarved: AcceleratorStarved
+    ApplianceFragmentationRising: Fragmentation
+    ApplianceReplicaHung: ReplicaHung
+    ApplianceRestartLoop: RestartLoop
+    ApplianceReplicaSpawnFailing: ThresholdWindow
+    ApplianceDrainStuck: For
+    ApplianceLatencyDrift: LatencyDrift
+    ApplianceSlowModelLoad: SlowModelLoad
+
+
+class MonitoringConfig(_Model):
+    """The whole file. Consumers read attributes; nothing here has a default that the file does not state."""
+
+    runbook_url: str
+    selectors: Selectors
+    inhibit_equal: tuple[str, ...]
+    slos: Slos
+    burn_rates: tuple[BurnRate, ...] = Field(min_length=1)
+    sli_windows: tuple[Duration, ...] = Field(min_length=1)
+    alerts: AlertKnobs
+    auto_remediated: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MonitoringConfig:
+        if "{alertname}" not in self.runbook_url:
+            raise ValueError("runbook_url must contain {alertname}")
+        for burn in self.burn_rates:
+            missing = sorted({burn.long, burn.short} - set(self.sli_windows))
+            if missing:
+                raise ValueError(f"burn-rate windows {missing} are not in sli_windows")
+        unknown = sorted(set(self.auto_remediated) - set(AlertKnobs.model_fields))
+        if unknown:
+            raise ValueError(f"auto_remediated names unknown alerts: {unknown}")
+        return self
+
+    def runbook(self, alertname: str) -> str:
+        """The runbook URL of one alert: the one pattern every annotation and dashboard link is built from."""
+        return self.runbook_url.replace("{alertname}", alertname)
+
+    @property
+    def page_burn(self) -> float:
+        """The fastest burn rate that pages (the largest factor)."""
+        return max(burn.factor for burn in self.burn_rates)
+
+
+def load_config(path: Path = CONFIG_PATH) -> MonitoringConfig:
+    """The config in ``path``; MonitoringConfigError when it is missing, not YAML, or not this schema."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise MonitoringConfigError(f"monitoring config {path} does not exist (it holds the SLOs, thresholds and "
+                                    "selectors of the generated rules and dashboards)") from None
+    except OSError as exc:
+        raise MonitoringConfigError(f"cannot read monitoring config {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise MonitoringConfigError(f"monitoring config {path} is not valid YAML: {' '.join(str(exc).split())}") \
+            from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: object, *, source: str = "monitoring config") -> MonitoringConfig:
+    """A config from its parsed YAML (a mapping), e.g. a variant a test or a deployment derived from the file."""
+    if isinstance(data, MonitoringConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise MonitoringConfigError(f"{source} must be a mapping of keys to values, got {type(data).__name__}")
+    try:
+        return MonitoringConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc']) or 'config'}: {error['msg']}"
+                             for error in exc.errors())
+        raise MonitoringConfigError(f"{source}: {problems}") from None

@@ -1,0 +1,5 @@
+import sys
+
+from appliance.monitoring.dashboards.write import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""Appliance / Capacity: is there headroom? KV cache, queues, batching, preemptions, admission control, routing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.monitoring.config import MonitoringConfig
+from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
+from appliance.monitoring.dashboards.panels import (
+    RATE,
+    heatmap,
+    increase,
+    rate,
+    runbooks,
+    stat,
+    table,
+    target,
+    timeseries,
+)
+
+UID = "appliance-capacity"
+KV_FULL, BACKLOG, SHEDDING, PREEMPTIONS = ("ApplianceKVCacheNearFull", "ApplianceQueueBacklog",
+                                           "ApplianceLoadShedding", "AppliancePreemptionStorm")
+# Labels of vllm:cache_config_info (vLLM's CacheConfig as an info metric) that capacity planning reads.
+CACHE_CONFIG_LABELS = "replica, model, cache_dtype, block_size, num_gpu_blocks, enable_prefix_caching"
+
+
+def prefix_cache_hit_ratio(engine: str, *, by: str = "") -> str:
+    """Prompt tokens found in vLLM's prefix cache over prompt tokens looked up; no sample while none were."""
+    return (f"{rate('vllm:prefix_cache_hits_total', engine, by=by)} / "
+            f"({rate('vllm:prefix_cache_queries_total', engine, by=by)} > 0)")
+
+
+def routing_panels(gw: str, engine: str) -> list[dict[str, Any]]:
+    """How the gateway's router decides (appliance/gateway/routing/): which scorer decided, whether prefix
+    affinity pays off in the engines' prefix caches, what the index costs, and what routing costs per request."""
+    match = "appliance_routing_prefix_match_ratio"
+    duration = "appliance_routing_duration_seconds"
+    return [
+        timeseries(21, "Routing decisions by scorer",
+                   target(rate("appliance_routing_decisions_total", gw, by="decided_by"), "{{decided_by}}"),
+                   unit="ops", stack=True,
+                   description="Routing decisions per second by what separated the chosen replica from the "
+                               "runner-up: a scorer (outstanding, kv_cache, queue, prefix), a tie-breaker (tie_*), "
+                               "nothing (index), a single candidate (single), or round_robin."),
+        timeseries(22, "Prefix match vs prefix cache hit",
+                   target(f"histogram_quantile(0.5, sum by (le) (rate({match}_bucket{{{gw}}}[{RATE}])))",
+                          "router prefix match p50"),
+                   target(prefix_cache_hit_ratio(engine), "engine prefix cache hit"),
+                   unit="percentunit", min_=0, max_=1,
+                   description="Median share of each prompt whose prefix the router had recently sent to the "
+                               "chosen replica, next to the share of prompt tokens the engines found in vLLM's "
+                               "prefix cache: affinity that works shows up as cache hits."),
+        timeseries(23, "Prefix index memory", target(f"appliance_routing_prefix_index_bytes{{{gw}}}", "{{instance}}"),
+                   unit="bytes", w=8, min_=0,
+                   description="Accounted memory of each gateway's prefix-affinity index; bounded by "
+                               "routing.scorers.prefix.index_bytes, beyond which the least recently used blocks "
+                               "are evicted."),
+        timeseries(24, "Prefix affinity yields", target(rate("appliance_routing_prefix_yields_total", gw), "yields"),
+                   unit="ops", w=8, min_=0,
+                   description="Decisions per second where a replica holding the prompt's prefix was passed over "
+                               "because it was over its bounded load (routing.scorers.prefix.load_factor)."),
+        timeseries(25, "Routing time p99",
+                   target(f"histogram_quantile(0.99, sum by (le) (rate({duration}_bucket{{{gw}}}[{RATE}])))", "p99"),
+                   unit="s", w=8, min_=0,
+                   description="99th percentile of the time the router took to choose a replica for one request "
+                               "(filters, scorers, prompt hashing, index update); it adds to every TTFT."),
+        heatmap(26, "Prefix match distribution", match, gw, unit="percentunit",
+                description="Requests per prefix-match bucket: the share of the prompt recently sent to the chosen "
+                            "replica (0 = a new prefix, 1 = all of it)."),
+        heatmap(27, "Routing time distribution", duration, gw, unit="s",
+                description="Requests per bucket of the router's decision time."),
+    ]
+
+
+def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
+    config = resolve(config)
+    sel = Selectors.of(config)
+    gw, gw_replica, engine = sel.gateway, sel.gateway_replica, sel.engine
+    knobs = config.alerts
+    kv = f"vllm:kv_cache_usage_perc{{{engine}}}"
+    now = [
+        stat(1, "Max KV cache occupancy", target(f"max({kv})"), unit="percentunit", decimals=0,
+             thresholds=[(None, "green"), (0.8, "orange"), (knobs.ApplianceKVCacheNearFull.threshold, "red")],
+             links=runbooks(config, KV_FULL),
+             description="Highest KV cache usage of any replica; near 100 % vLLM preempts running requests."),
+        stat(2, "Gateway queue", target(f"appliance_queue_length{{{gw}}}"), unit="none",
+             thresholds=[(None, "green"), (1, "orange"), (knobs.ApplianceQueueBacklog.threshold, "red")],
+             links=runbooks(config, BACKLOG),
+             description="Requests waiting in the gateway's admission queue right now."),
+        stat(3, "In flight", target(f"appliance_inflight_requests{{{gw}}}"), unit="none",
+             description="Requests the gateway has dispatched to replicas and not yet finished."),
+        stat(4, "Engine waiting", target(f"sum(vllm:num_requests_waiting{{{engine}}})"), unit="none",
+             thresholds=[(None, "green"), (1, "orange")],
+             description="Requests queued inside the vLLM engines (should stay near 0: admission queues at the "
+                         "gateway, where it is visible and bounded)."),
+        stat(5, "429 rate", target(rate("appliance_admission_rejections_total", gw)), unit="reqps",
+             thresholds=[(None, "green"), (0.01, "orange")], links=runbooks(config, SHEDDING),
+             description="Requests per second rejected by admission control (queue full or queue timeout)."),
+        stat(6, "Preemptions", target(rate("vllm:num_preemptions_total", engine)), unit="ops",
+             thresholds=[(None, "green"), (0.01, "orange")], links=runbooks(config, PREEMPTIONS),
+             description="vLLM preemptions per second, all replicas: the KV cache ran out and running requests "
+                         "were evicted and will be recomputed."),
+    ]
+    kv_cache = [
+        timeseries(7, "KV cache occupancy by replica", target(kv, "{{replica}}"), unit="percentunit", min_=0,
+                   max_=1, thresholds=[(None, "green"), (knobs.ApplianceKVCacheNearFull.threshold, "red")],
+                   links=runbooks(config, KV_FULL),
+                   description="Fraction of each engine's KV cache blocks in use (vLLM's kv_cache_usage_perc); "
+                               "the dashed line is ApplianceKVCacheNearFull's threshold."),
+        timeseries(10, "Preemptions by replica",
+                   target(rate("vllm:num_preemptions_total", engine, by="replica"), "{{replica}}"), unit="ops",
+                   thresholds=[(None, "green"), (knobs.AppliancePreemptionStorm.threshold, "red")],
+                   links=runbooks(config, PREEMPTIONS),
+                   description="Preemptions per second per replica: sustained preemption means the KV cache is "
+                               "too small for the admitted concurrency (dashed: AppliancePreemptionStorm)."),
+        stat(19, "Prefix cache hit rate", target(prefix_cache_hit_ratio(engine)), unit="percentunit",
+             decimals=1, w=6, h=8,
+             description="Share of prompt tokens the selected engines found in vLLM's prefix cache over the "
+                         "interval (all replicas together): prefill they did not have to compute."),
+        timeseries(15, "Prefix cache hit ratio", target(prefix_cache_hit_ratio(engine, by="replica"), "{{replica}}"),
+                   target(prefix_cache_hit_ratio(engine), "all replicas"),
+                   unit="percentunit", min_=0, max_=1, w=18,
+                   description="Share of prompt tokens served from vLLM's prefix cache (no prefill compute "
+                               "needed), per replica and over all selected replicas; a gap means no prompt "
+                               "was looked up. Recorded as *:vllm_prefix_cache_hit:ratio_rate5m."),
+        table(20, "KV cache configuration", f"max by ({CACHE_CONFIG_LABELS}) (vllm:cache_config_info{{{engine}}})",
+              hide=("Value",), w=24, h=5,
+              description="Each replica's KV cache as its engine reports it (vllm:cache_config_info): the cache "
+                          "dtype (auto = the model's dtype; fp8 halves the bytes per token and doubles the "
+                          "blocks), the block size in tokens, the number of blocks, and whether prefix caching "
+                          "is on."),
+    ]
+    queues = [
+        timeseries(8, "Queue length: gateway and engines",
+                   target(f"appliance_queue_length{{{gw}}}", "gateway"),
+                   target(f"sum by (replica) (vllm:num_requests_waiting{{{engine}}})", "engine {{replica}}"),
+                   unit="none", links=runbooks(config, BACKLOG),
+                   description="Gateway admission queue versus each engine's own waiting queue."),
+        timeseries(9, "Running vs waiting by replica",
+                   target(f"sum by (replica) (vllm:num_requests_running{{{engine}}})", "running {{replica}}"),
+                   target(f"sum by (replica) (vllm:num_requests_waiting{{{engine}}})", "waiting {{replica}}"),
+                   unit="none", description="Requests in each engine's running batch and in its waiting queue "
+                                            "(continuous batching: running is the batch size)."),
+        timeseries(11, "Concurrency limit vs outstanding",
+                   target(f"appliance_replica_concurrency_limit{{{gw_replica}}}", "limit {{replica}}"),
+                   target(f"appliance_replica_outstanding_requests{{{gw_replica}}}", "outstanding {{replica}}"),
+                   unit="none", description="Admission control's adaptive (AIMD) limit per replica and the "
+                                            "requests in flight there; outstanding at the limit means queueing."),
+        timeseries(12, "Admission rejections by reason",
+                   target(rate("appliance_admission_rejections_total", gw, by="reason"), "{{reason}}"),
+                   unit="reqps", links=runbooks(config, SHEDDING),
+                   description="429s per second by reason: the queue was full, or a request waited longer than "
+                               "the queue timeout."),
+        timeseries(13, "In flight and queued", target(f"appliance_inflight_requests{{{gw}}}", "in flight"),
+                   target(f"appliance_queue_length{{{gw}}}", "queued"), unit="none",
+                   links=runbooks(config, BACKLOG),
+                   description="Requests at the replicas and requests waiting at the gateway."),
+        timeseries(16, "Outlier ejections",
+                   target(f"appliance_replica_ejected{{{gw_replica}}}", "ejected {{replica}}"),
+                   target(increase("appliance_replica_ejections_total", gw_replica, by="replica"),
+                          "ejections {{replica}}"),
+                   unit="none", description="1 while the router has ejected a replica for slow or failing "
+                                            "responses, and ejections per interval."),
+    ]
+    engines = [
+        timeseries(14, "Generation throughput by replica",
+                   target(rate("vllm:generation_tokens_total", engine, by="replica"), "out {{replica}}"),
+                   target(rate("vllm:prompt_tokens_total", engine, by="replica"), "in {{replica}}"),
+                   unit="suffix: tok/s", w=24,
+                   description="Tokens per second each engine generated and prefilled."),
+        heatmap(17, "Engine queue time distribution", "vllm:request_queue_time_seconds", engine, unit="s",
+                description="Time requests spent in vLLM's waiting queue, per bucket; should stay in the lowest "
+                            "buckets because admission control queues at the gateway."),
+        heatmap(18, "Engine TTFT distribution", "vllm:time_to_first_token_seconds", engine, unit="s",
+                description="Time to first token measured inside the engines, per bucket."),
+    ]
+    sections = [Section(101, "Headroom now", now), Section(102, "KV cache", kv_cache),
+                Section(103, "Queues and admission", queues), Section(104, "Engines", engines),
+                Section(105, "Routing", routing_panels(gw, engine))]
+    return dashboard(UID, "Appliance / Capacity",
+                     "Is there headroom? KV cache, queues, batching, preemptions and admission control.",
+                     sections, ["capacity"], sel)

@@ -1,0 +1,103 @@
+"""Appliance / Maintenance: what happened to the replicas? Restarts, crashes, drains, state, model load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from appliance.monitoring.config import MonitoringConfig
+from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
+from appliance.monitoring.dashboards.panels import increase, runbooks, stat, state_timeline, target, timeseries
+
+UID = "appliance-maintenance"
+NOT_READY, DRAIN_STUCK, HUNG = "ApplianceReplicaNotReady", "ApplianceDrainStuck", "ApplianceReplicaHung"
+
+REPLICA_STATES = (("ready", "green"), ("starting", "blue"), ("unhealthy", "orange"), ("draining", "yellow"),
+                  ("backoff", "red"), ("stopping", "purple"), ("stopped", "text"))
+
+
+def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
+    config = resolve(config)
+    sel = Selectors.of(config)
+    gw, gw_replica = sel.gateway, sel.gateway_replica
+    coded = " + ".join(f'{i} * sum by (replica) (appliance_replica_state{{{gw_replica}, state="{name}"}})'
+                       for i, (name, _) in enumerate(REPLICA_STATES, 1))
+    panels = [
+        stat(1, "Ready replicas", target(f'sum(appliance_replica_state{{{gw}, state="ready"}})'), unit="none",
+             thresholds=[(None, "red"), (1, "green")], links=runbooks(config, "ApplianceNoReadyReplica"),
+             description="Replicas in the ready state."),
+        stat(2, "Draining", target(f'sum(appliance_replica_state{{{gw}, state="draining"}})'), unit="none",
+             thresholds=[(None, "green"), (1, "yellow")], links=runbooks(config, DRAIN_STUCK),
+             description="Replicas draining: finishing in-flight requests, receiving no new ones."),
+        stat(3, "Hung replicas", target(f"sum(appliance_replica_hung{{{gw}}})"), unit="none",
+             thresholds=[(None, "green"), (1, "red")], links=runbooks(config, HUNG),
+             description="Replicas whose engine is alive but makes no progress (the maintenance watchdog)."),
+        stat(4, "Restarts", target(increase("appliance_replica_restarts_total", gw_replica)),
+             unit="none", thresholds=[(None, "green"), (1, "orange"), (3, "red")],
+             description="Replica restarts (crash recovery and maintenance) in the latest interval."),
+        stat(5, "Last restart", target(f"max(appliance_replica_last_restart_timestamp_seconds{{{gw_replica}}}) * 1000"),
+             unit="dateTimeFromNow",
+             description="When any selected replica last restarted (absent until one has restarted)."),
+        stat(6, "Next maintenance window",
+             target(f"min(appliance_maintenance_next_window_timestamp_seconds{{{gw}}}) * 1000"),
+             unit="dateTimeFromNow",
+             description="Start of the next scheduled low-traffic maintenance window (rolling restarts)."),
+        state_timeline(7, "Replica state", coded, "{{replica}}", REPLICA_STATES,
+                       links=runbooks(config, NOT_READY, DRAIN_STUCK),
+                       description="Each replica's life-cycle state over time: starting until /health answers, "
+                                   "ready, unhealthy after failed probes, draining, backoff after a crash."),
+        timeseries(8, "Restarts and crashes",
+                   target(increase("appliance_replica_restarts_total", gw_replica, by="replica"),
+                          "restarts {{replica}}"),
+                   target(increase("appliance_replica_crashes_total", gw_replica, by="replica"),
+                          "crashes {{replica}}"),
+                   target(increase("appliance_replica_starts_total", gw_replica, by="replica"),
+                          "starts {{replica}}"),
+                   target(increase("appliance_replica_spawn_failures_total", gw_replica, by="replica"),
+                          "spawn failures {{replica}}"),
+                   unit="none", links=runbooks(config, "ApplianceRestartLoop", "ApplianceReplicaSpawnFailing"),
+                   description="Engine starts, restarts, unrequested exits and failed spawns (the engine process "
+                               "could not even be started) per interval; crashes that repeat are a restart loop."),
+        timeseries(9, "Model load time", target(f"appliance_replica_model_load_seconds{{{gw_replica}}}",
+                                                "{{replica}}"), unit="s",
+                   thresholds=[(None, "green"), (config.alerts.ApplianceSlowModelLoad.threshold_seconds, "red")],
+                   links=runbooks(config, "ApplianceSlowModelLoad"),
+                   description="Seconds from spawning a replica's engine to its first healthy answer; slow loads "
+                               "point at weights on network storage or a cold page cache."),
+        timeseries(10, "Time since last restart",
+                   target(f"time() - appliance_replica_last_restart_timestamp_seconds{{{gw_replica}}}", "{{replica}}"),
+                   unit="s", description="Age of each replica's current engine since its latest restart."),
+        timeseries(11, "Drains", target(f'sum by (replica) (appliance_replica_state{{{gw_replica}, state="draining"}})',
+                                        "draining {{replica}}"),
+                   target(increase("appliance_maintenance_actions_total", gw + ', action=~"drain.*"', by="result"),
+                          "drain actions {{result}}"),
+                   unit="none", links=runbooks(config, DRAIN_STUCK),
+                   description="1 while a replica drains, and drain actions taken by maintenance "
+                                            "per interval; a drain that stays at 1 is stuck."),
+        timeseries(12, "Maintenance actions",
+                   target(increase("appliance_maintenance_actions_total", gw, by="action, trigger, result"),
+                          "{{action}} {{trigger}} {{result}}"),
+                   unit="none", description="Drains, restarts and rolling restarts per interval, by trigger "
+                                            "(admin, schedule, alert) and result (ok, failed, aborted, dry_run, "
+                                            "rate_limited, skipped)."),
+        timeseries(13, "Hung flag by replica", target(f"appliance_replica_hung{{{gw_replica}}}", "{{replica}}"),
+                   unit="none", min_=0, max_=1, links=runbooks(config, HUNG),
+                   description="1 while a replica is judged hung (requests in flight, no tokens produced)."),
+        timeseries(14, "Readiness", target(f'sum(appliance_replica_state{{{gw}, state="ready"}})', "ready"),
+                   target(f'count(appliance_replica_state{{{gw}, state="ready"}})', "replicas"),
+                   unit="none", links=runbooks(config, "ApplianceNoReadyReplica", NOT_READY),
+                   description="Ready replicas against configured replicas; the gap is capacity lost "
+                                            "to restarts, drains and failures."),
+        timeseries(15, "Alerts received by the webhook",
+                   target(increase("appliance_alert_webhook_alerts_total", gw, by="alertname, status, action"),
+                          "{{alertname}} {{status}} -> {{action}}"),
+                   unit="none", description="Alertmanager notifications the appliance's webhook received per "
+                                            "interval, and the action it chose (none, duplicate, or the "
+                                            "whitelisted maintenance action)."),
+    ]
+    by_id = {panel["id"]: panel for panel in panels}
+    sections = [Section(101, "Replicas now", [by_id[i] for i in (1, 2, 3, 4, 5, 6)]),
+                Section(102, "Life cycle", [by_id[i] for i in (7, 8, 9, 10)]),
+                Section(103, "Drains, hangs and maintenance", [by_id[i] for i in (11, 12, 13, 14, 15)])]
+    return dashboard(UID, "Appliance / Maintenance",
+                     "What happened to the replicas? Restarts, crashes, drains, state, model load, maintenance.",
+                     sections, ["maintenance"], sel)

@@ -1,0 +1,5 @@
+import sys
+
+from appliance.monitoring.snapshot.cli import main
+
+sys.exit(main())

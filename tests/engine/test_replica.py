@@ -1,0 +1,247 @@
+"""SupervisedReplica's life cycle against small stand-in processes (tests/engine/fake_engine.py): spawn failures
+are counted and retried, readiness needs the replica's own process on the port, stop always ends STOPPED."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from appliance.engine.contract import ReplicaState
+from appliance.engine.placement import Placement
+from appliance.engine.ports import tree_listens_on
+from appliance.engine.replica import ReplicaSpec, SupervisedReplica
+from tests.engine import fake_engine
+
+FAKE = str(Path(fake_engine.__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine(port: int, *flags: str, launcher: bool = True) -> list[str]:
+    command = [sys.executable, FAKE, str(port), *flags]
+    return [sys.executable, "-m", "appliance.engine.launch", "--", *command] if launcher else command
+
+
+def spec(tmp_path: Path, command: list[str], port: int, stop_timeout: float = 1.0) -> ReplicaSpec:
+    return ReplicaSpec(index=0, port=port, command=command, env={"PYTHONPATH": str(Path.cwd())},
+                       placement=Placement("cpu", cores=(0,)), log_path=tmp_path / "logs" / "engine-0.log",
+                       start_timeout_seconds=60, stop_timeout_seconds=stop_timeout)
+
+
+async def until(condition: Callable[[], bool], seconds: float = 20.0) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def run(scenario: Callable[[aiohttp.ClientSession], object]) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            await scenario(session)
+
+    asyncio.run(main())
+
+
+class Squatter:
+    """Another process's HTTP server on the replica's port: answers 200 to everything and counts the probes."""
+
+    def __init__(self, port: int) -> None:
+        outer = self
+        self.probes = 0
+
+        class Counting(fake_engine.Health):
+            def do_GET(self) -> None:  # noqa: N802
+                outer.probes += 1
+                super().do_GET()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Counting)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_failed_spawn_is_counted_retried_with_backoff_and_recovers(tmp_path):
+    port = free_port()
+    replica_spec = spec(tmp_path, ["/nonexistent/engine-binary"], port)
+    replica = SupervisedReplica(replica_spec, backoff_initial=0.05, backoff_max=0.2)
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.spawn_failures >= 3)
+        assert "No such file" in (replica.status.last_error or "")
+        assert replica.status.state in (ReplicaState.BACKOFF, ReplicaState.STARTING)
+        assert replica.status.starts == 0
+        replica_spec.command = engine(port)  # the operator fixed it: the loop is still alive and picks it up
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        await replica.stop()
+
+    run(scenario)
+    assert replica.status.state is ReplicaState.STOPPED
+
+
+def test_a_log_that_cannot_be_written_is_a_counted_spawn_failure(tmp_path):
+    port = free_port()
+    (tmp_path / "not-a-dir").write_text("")
+    replica_spec = spec(tmp_path, engine(port), port)
+    replica_spec.log_path = tmp_path / "not-a-dir" / "engine-0.log"
+    replica = SupervisedReplica(replica_spec, backoff_initial=0.05, backoff_max=0.1)
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.spawn_failures >= 2)
+        await replica.stop()
+
+    run(scenario)
+    assert replica.status.last_error and "not-a-dir" in replica.status.last_error
+    assert replica.status.state is ReplicaState.STOPPED
+
+
+def test_a_squatter_on_the_port_does_not_make_a_dead_replica_ready(tmp_path):
+    port = free_port()
+    squatter = Squatter(port)
+    replica = SupervisedReplica(spec(tmp_path, engine(port, "--no-listen"), port))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: squatter.probes >= 4)  # the squatter answered 200 to several health probes...
+        assert replica.status.state is ReplicaState.STARTING  # ...and the replica is still not ready
+        await replica.stop()
+
+    try:
+        run(scenario)
+    finally:
+        squatter.close()
+
+
+def test_its_own_engine_on_the_port_makes_it_ready(tmp_path):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        assert tree_listens_on(replica.status.pid, port)  # via the launcher's child
+        assert not tree_listens_on(replica.status.pid, free_port())
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_stop_never_blocks_the_loop_and_always_ends_stopped(tmp_path, monkeypatch):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port, "--ignore-term", launcher=False), port, stop_timeout=0))
+    replica.TERM_EXTRA_SECONDS = 0.3
+    replica.KILL_WAIT_SECONDS = 0.3
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.02)
+            ticks += 1
+
+    async def scenario(session):
+        nonlocal ticks
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        pid = replica.status.pid
+        monkeypatch.setattr(replica, "_kill_group", lambda: None)  # a process that SIGKILL does not end (D state)
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        ticks = 0
+        try:
+            await asyncio.wait_for(replica.stop(), 30)
+        finally:
+            task.cancel()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        assert ticks >= 5  # the event loop kept running while stop() waited
+
+    run(scenario)
+    assert replica.status.state is ReplicaState.STOPPED
+    assert "did not exit" in (replica.status.last_error or "")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    # every test stops its replica; a leftover child would show here
+    import psutil
+
+    assert not [p for p in psutil.Process().children(recursive=True) if FAKE in " ".join(p.cmdline())]
+
+
+def test_a_staged_spec_is_used_from_the_next_start_on(tmp_path):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port))
+
+    def engine_cmdline() -> str:
+        import psutil
+
+        return " ".join(" ".join(p.cmdline()) for p in psutil.Process(replica.status.pid).children(recursive=True))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        replica.stage(spec(tmp_path, engine(port, "--tag=reloaded"), port))
+        assert replica.staged_spec and "--tag=reloaded" not in engine_cmdline()  # the running engine keeps its own
+        await replica.restart()
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        assert replica.staged_spec is None and "--tag=reloaded" in engine_cmdline()
+        with pytest.raises(ValueError):
+            replica.stage(spec(tmp_path, engine(port), port + 1))
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
+    from appliance.engine.supervisor import Supervisor, build_specs
+    from appliance.settings import Settings
+
+    settings = Settings(model=tmp_path, replicas=2, device="cpu", state_dir=tmp_path)
+    supervisor = Supervisor(build_specs(settings, tmp_path))
+    supervisor.stage(settings.model_copy(update={"engine": settings.engine.model_copy(update={"max_num_seqs": 7})}))
+    for replica in supervisor.replicas:
+        command = replica.staged_spec.command
+        assert command[command.index("--max-num-seqs") + 1] == "7"
+    with pytest.raises(ValueError):
+        supervisor.stage(settings.model_copy(update={"replicas": 3}))
+
+
+def test_a_dead_engine_leaves_routing_at_once_not_at_the_next_health_probe(tmp_path):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port), backoff_initial=30)
+    replica.HEALTH_INTERVAL_SECONDS = 60.0  # the next probe is a minute away
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        await asyncio.sleep(0.5)  # into the long sleep between probes
+        os.killpg(replica.status.pid, signal.SIGKILL)
+        await until(lambda: replica.status.state is not ReplicaState.READY, 10)
+        assert replica.status.crashes == 1
+        await replica.stop()
+
+    run(scenario)

@@ -1,0 +1,118 @@
+"""The supervised replica's life cycle with a stand-in engine process: ready, crash, backoff, restart, the reset
+after a stable run, giving up on a start that never turns healthy, and stopping that leaves no process.
+(Spawn failures, squatters and stop's bounds are in test_replica.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from appliance.engine.contract import ReplicaState
+from appliance.engine.placement import Placement
+from appliance.engine.replica import ReplicaSpec, SupervisedReplica
+
+FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec(tmp_path: Path, *args: str, start_timeout: float = 30.0) -> ReplicaSpec:
+    port = free_port()
+    return ReplicaSpec(index=0, port=port, command=[sys.executable, FAKE_ENGINE, str(port), *args], env={},
+                       placement=Placement("cpu", cores=(0,)), log_path=tmp_path / "engine-0.log",
+                       start_timeout_seconds=start_timeout, stop_timeout_seconds=1.0)
+
+
+async def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def run(scenario) -> None:
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            await scenario(session)
+
+    asyncio.run(main())
+
+
+def test_ready_then_stop_leaves_no_process(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        replica = SupervisedReplica(spec(tmp_path))
+        replica.start(session)
+        await wait_for(lambda: replica.status.state is ReplicaState.READY)
+        pid = replica.status.pid
+        assert replica.routable and replica.status.starts == 1 and replica.status.load_seconds is not None
+        await replica.stop()
+        assert replica.status.state is ReplicaState.STOPPED and replica.status.pid is None
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    run(scenario)
+
+
+def test_a_crash_backs_off_then_restarts_and_backoff_doubles(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        replica = SupervisedReplica(spec(tmp_path, "--exit-after", "0.3", "3"), backoff_initial=0.2, backoff_max=30.0)
+        replica.start(session)
+        await wait_for(lambda: replica.status.crashes >= 1)
+        assert replica.status.last_exit_code == 3
+        assert replica._next_backoff() == 0.2  # first crash: the initial backoff
+        await wait_for(lambda: replica.status.crashes >= 2)
+        assert replica.status.restarts >= 1 and replica.status.starts >= 2
+        assert replica._next_backoff() == 0.4  # crashed again soon after: twice as long
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_a_stable_run_resets_the_backoff(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        # It stays up longer than backoff_max before each crash: every crash counts as the first.
+        replica = SupervisedReplica(spec(tmp_path, "--exit-after", "1.5", "3"), backoff_initial=0.1, backoff_max=0.5)
+        replica.start(session)
+        await wait_for(lambda: replica.status.crashes >= 2)
+        assert replica.status.consecutive_crashes == 1
+        assert replica._next_backoff() == 0.1
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_a_start_that_never_turns_healthy_is_killed_and_counted_as_a_crash(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        never_healthy = spec(tmp_path, start_timeout=0.5)
+        never_healthy.command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        replica = SupervisedReplica(never_healthy, backoff_initial=0.1, backoff_max=1.0)
+        replica.start(session)
+        await wait_for(lambda: replica.status.crashes >= 1)
+        assert replica.status.state in (ReplicaState.BACKOFF, ReplicaState.STARTING)
+        assert not replica.routable
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_drain_and_undrain(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        replica = SupervisedReplica(spec(tmp_path))
+        replica.start(session)
+        await wait_for(lambda: replica.routable)
+        replica.drain()
+        assert replica.status.state is ReplicaState.DRAINING and not replica.routable
+        replica.undrain()
+        assert replica.routable
+        await replica.stop()
+
+    run(scenario)

@@ -1,0 +1,111 @@
+"""Each scorer alone: 0..1 per candidate, None (neutral) when it cannot tell."""
+
+from appliance.engine.contract import ReplicaState
+from appliance.engine.load import EngineLoad
+from appliance.gateway.router import Router
+from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.scorers import KvCacheScorer, OutstandingScorer, PrefixScorer, QueueScorer
+from appliance.settings import PrefixScorerSettings, RoutingSettings
+from tests.doubles import FakeReplica
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(n: int = 3, **routing):
+    replicas = [FakeReplica(f"replica-{i}") for i in range(n)]
+    clock = Clock()
+    return Router(lambda: replicas, RoutingSettings(**routing), clock=clock), replicas, clock
+
+
+def test_outstanding_is_strictly_decreasing_in_the_gateways_own_count():
+    router, replicas, _ = fleet()
+    router.outstanding.update({"replica-0": 3, "replica-1": 1})
+    scores = OutstandingScorer().scores(replicas, router, None)
+    assert scores == [1 - 3 / 5, 1 - 1 / 5, 1.0]
+    assert all(0 <= s <= 1 for s in scores)
+
+
+def test_kv_and_queue_read_fresh_engine_readings():
+    router, replicas, clock = fleet()
+    router.update_load("replica-0", EngineLoad(kv_cache_usage=0.9, waiting=4, read_at=clock.now))
+    router.update_load("replica-1", EngineLoad(kv_cache_usage=0.123, waiting=0, read_at=clock.now))
+    assert KvCacheScorer().scores(replicas, router, None) == [1 - 0.9, 1 - 0.12, None]  # no reading: unknown
+    assert QueueScorer().scores(replicas, router, None) == [1 - 4 / 5, 1.0, None]
+
+
+def test_stale_readings_are_unknown():
+    router, replicas, clock = fleet(metrics_stale_seconds=5)
+    router.update_load("replica-0", EngineLoad(kv_cache_usage=0.9, waiting=4, read_at=clock.now))
+    clock.now += 5.5
+    assert KvCacheScorer().scores(replicas[:1], router, None) == [None]
+    assert QueueScorer().scores(replicas[:1], router, None) == [None]
+
+
+def test_a_reading_that_contradicts_the_gateways_in_flight_count_is_unknown():
+    """vLLM's CPU build can report 0 running while a request runs (issue 12): then its KV and queue readings lag
+    too, and must not steer routing."""
+    router, replicas, clock = fleet(metrics_poll_seconds=1)
+    assert router.try_acquire() is replicas[0]  # busy since 1000
+    clock.now += 0.5
+    router.update_load("replica-0", EngineLoad(kv_cache_usage=0.0, waiting=0, running=0, read_at=clock.now))
+    assert KvCacheScorer().scores(replicas[:1], router, None) == [1.0]  # within one poll: may just not be seen yet
+    clock.now += 2
+    router.update_load("replica-0", EngineLoad(kv_cache_usage=0.0, waiting=0, running=0, read_at=clock.now))
+    assert KvCacheScorer().scores(replicas[:1], router, None) == [None]  # idle for 2.5 s while busy: lagging
+    router.update_load("replica-0", EngineLoad(kv_cache_usage=0.3, waiting=0, running=1, read_at=clock.now))
+    assert KvCacheScorer().scores(replicas[:1], router, None) == [0.7]  # the engine sees its request: trusted
+
+
+def prompt(conversation: int, turns: int = 1) -> RoutingRequest:
+    return RoutingRequest("".join(f"{conversation:04d}: conversation turn {t:03d} " * 4 for t in range(turns)))
+
+
+def test_prefix_scores_the_matched_share_of_the_prompt():
+    router, replicas, _ = fleet()
+    scorer = PrefixScorer(PrefixScorerSettings(block_chars=16))
+    first = prompt(7, turns=2)
+    scorer.chosen(replicas[1], first)
+    follow_up = prompt(7, turns=4)
+    scores = scorer.scores(replicas, router, follow_up)
+    matched = (len(first.prompt) // 16) * 16
+    assert scores == [0.0, matched / len(follow_up.prompt), 0.0]
+    assert 0.4 < scores[1] <= 0.5
+    assert scorer.scores(replicas, router, prompt(8, turns=4)) == [0.0, 0.0, 0.0]  # shares nothing
+    assert scorer.scores(replicas, router, None) == [0.0, 0.0, 0.0]
+
+
+def test_prefix_yields_when_the_replica_is_loaded_beyond_the_bound():
+    router, replicas, _ = fleet(n=2)
+    scorer = PrefixScorer(PrefixScorerSettings(block_chars=16, load_factor=1.25))
+    conversation = prompt(1, turns=3)
+    scorer.chosen(replicas[0], conversation)
+    router.outstanding.update({"replica-0": 2, "replica-1": 1})  # bound: ceil(1.25 * 4 / 2) = 3; 2 + 1 fits
+    assert scorer.scores(replicas, router, conversation)[0] == 1.0 - (len(conversation.prompt) % 16) / len(
+        conversation.prompt)
+    router.outstanding.update({"replica-0": 3, "replica-1": 0})  # bound 3; 3 + 1 does not fit
+    assert scorer.scores(replicas, router, conversation) == [0.0, 0.0]
+    assert scorer.yields == 1
+
+
+def test_prefix_forgets_a_replica_that_restarts_or_loses_its_engine():
+    router, replicas, _ = fleet(n=2)
+    scorer = PrefixScorer(PrefixScorerSettings(block_chars=16))
+    conversation = prompt(1, turns=3)
+    scorer.observe(replicas)
+    for replica in replicas:
+        scorer.chosen(replica, conversation)
+    replicas[0].status.starts += 1  # a new process (supervisor restart)
+    replicas[1].drain()  # a drain keeps the engine and its cache
+    scorer.observe(replicas)
+    scores = scorer.scores(replicas, router, conversation)
+    assert scores[0] == 0.0 and scores[1] > 0.9
+    replicas[1].status.state = ReplicaState.UNHEALTHY  # e.g. an external engine that went away
+    scorer.observe(replicas)
+    assert scorer.scores(replicas, router, conversation) == [0.0, 0.0]
+    assert scorer.forgotten == 2

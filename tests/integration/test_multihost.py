@@ -1,0 +1,182 @@
+"""Beyond one host, simulated on one machine: node agents (role node, one real vLLM engine each) on distinct
+loopback addresses, two gateways (role gateway) that find them through one DNS name served by a test DNS server
+on 127.0.0.1, steady load through both gateways. Then one node leaves the way Kubernetes takes a pod away (out of
+the headless Service's DNS, then SIGTERM: it drains) and a new node joins at a new address. No request may fail
+except streams cut mid-way; both gateways follow the DNS change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.engine.dns_server import TestDNSServer
+from tests.integration.harness import ApplianceProcess, free_port_range
+
+pytestmark = pytest.mark.engine
+
+NAME = "appliance-engines.appliance.test"
+ADMIN_TOKEN = "multihost-admin"
+INTERVAL = 1.0  # discovery.interval_seconds of gateways and nodes
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    ok: int = 0
+    failed: list[str] = field(default_factory=list)
+    cut_streams: int = 0  # streams that had started and broke mid-way: allowed
+    by_replica: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def one_request(client: httpx.Client, url: str, stream: bool, tally: Tally) -> None:
+    body = {"model": "demo", "prompt": "The appliance", "max_tokens": 12, "stream": stream}
+    chunks = 0
+    try:
+        if stream:
+            with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+                replica = response.headers.get("x-appliance-replica")
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        chunks += 1
+                if chunks == 0:
+                    raise RuntimeError("stream without data")
+        else:
+            response = client.post(f"{url}/v1/completions", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+            replica = response.headers.get("x-appliance-replica")
+            json.loads(response.text)
+    except Exception as exc:  # every failure is counted and shown, none is hidden
+        with tally.lock:
+            if stream and chunks > 0:
+                tally.cut_streams += 1
+            else:
+                tally.failed.append(f"{url} stream={stream}: {exc!r}")
+        return
+    with tally.lock:
+        tally.ok += 1
+        tally.by_replica[replica] += 1
+
+
+def steady_load(gateways: list[str], stop: threading.Event, tally: Tally, workers: int = 4) -> list[threading.Thread]:
+    def worker(index: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            for turn in itertools.count():
+                if stop.is_set():
+                    return
+                with tally.lock:
+                    tally.sent += 1
+                one_request(client, gateways[(index + turn) % len(gateways)], stream=(turn + index) % 2 == 0,
+                            tally=tally)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def replica_names(gateway: ApplianceProcess) -> set[str]:
+    try:
+        response = httpx.get(f"{gateway.url}/admin/status", headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+                             timeout=5)
+        return {r["name"] for r in response.json()["replicas"]}
+    except (httpx.HTTPError, ValueError, KeyError):
+        return set()
+
+
+def wait_until(predicate, timeout: float, step: float = 0.1) -> float:
+    """Seconds until ``predicate()`` held; raises after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError("condition not met")
+        time.sleep(step)
+    return time.monotonic() - started
+
+
+def test_gateways_follow_nodes_through_dns(demo_model_int8, tmp_path):
+    dns = TestDNSServer().start()
+    engine_port = free_port_range(2)
+    common = {"APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN, "APPLIANCE_DISCOVERY__INTERVAL_SECONDS": str(INTERVAL),
+              "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "120", "APPLIANCE_DRAIN_TIMEOUT_SECONDS": "60"}
+
+    def node(address: str, core: int) -> ApplianceProcess:
+        env = {**common, "APPLIANCE_ROLE": "node", "APPLIANCE_HOST": address, "APPLIANCE_ENGINE_HOST": address}
+        return ApplianceProcess(model=demo_model_int8, state_dir=tmp_path / address, replicas=1, env=env,
+                                host=address, base_port=engine_port, cores={core})
+
+    def gateway(index: int) -> ApplianceProcess:
+        env = {**common, "APPLIANCE_ROLE": "gateway", "APPLIANCE_ENGINE_BASE_PORT": str(engine_port),
+               "APPLIANCE_DISCOVERY__NAME": NAME, "APPLIANCE_DISCOVERY__NAMESERVER": dns.address}
+        return ApplianceProcess(model=demo_model_int8, state_dir=tmp_path / f"gateway-{index}", replicas=1,
+                                env=env)
+
+    def name_of(address: str) -> str:
+        return f"{address}:{engine_port}"
+
+    nodes = {"127.0.0.2": node("127.0.0.2", 0), "127.0.0.3": node("127.0.0.3", 1)}
+    gateways = [gateway(0), gateway(1)]
+    started = [*nodes.values(), *gateways]
+    stop_load = threading.Event()
+    tally = Tally()
+    try:
+        dns.set(NAME, list(nodes))
+        for process in started:
+            process.start()
+        for process in nodes.values():
+            process.wait_ready(timeout=400)
+        for gw in gateways:
+            gw.wait_ready(replicas=2, timeout=60)
+
+        threads = steady_load([gw.url for gw in gateways], stop_load, tally)
+        wait_until(lambda: tally.ok >= 8, timeout=120)
+
+        # Kubernetes takes 127.0.0.2 away: out of the headless Service at once, SIGTERM (its drain) right
+        # after (no preStop sleep here: the harder case), and a new node pod comes up at 127.0.0.4.
+        leaving, newcomer = nodes["127.0.0.2"], node("127.0.0.4", 0)
+        started.append(newcomer)
+        dns.set(NAME, ["127.0.0.3", "127.0.0.4"])
+        changed = time.monotonic()
+        leaving.proc.send_signal(signal.SIGTERM)
+        newcomer.start()
+        left_after = [wait_until(lambda gw=gw: name_of("127.0.0.2") not in replica_names(gw), timeout=30)
+                      for gw in gateways]
+        joined_after = [wait_until(lambda gw=gw: name_of("127.0.0.4") in replica_names(gw), timeout=30)
+                        for gw in gateways]
+        exit_code = leaving.proc.wait(timeout=120)
+        newcomer.wait_ready(timeout=400)
+        for gw in gateways:
+            wait_until(lambda gw=gw: gw.ready_replicas() >= 2, timeout=60)
+        served_before = tally.by_replica[name_of("127.0.0.4")]
+        wait_until(lambda: tally.by_replica[name_of("127.0.0.4")] > served_before + 3, timeout=120)
+        stop_load.set()
+        for thread in threads:
+            thread.join(timeout=150)
+
+        print(f"\nmultihost: sent={tally.sent} ok={tally.ok} failed={len(tally.failed)} "
+              f"cut_streams={tally.cut_streams} by_replica={dict(tally.by_replica)} "
+              f"left_after_s={[round(s, 2) for s in left_after]} joined_after_s={[round(s, 2) for s in joined_after]} "
+              f"(interval {INTERVAL}s) node_exit={exit_code} change_to_ready_s={time.monotonic() - changed:.1f}")
+        assert tally.failed == [], tally.failed[:5]
+        assert exit_code == 0  # the leaving node drained and exited cleanly
+        assert {name_of(a) for a in ("127.0.0.2", "127.0.0.3", "127.0.0.4")} <= set(tally.by_replica)
+        # Both gateways saw the change on one of their next resolutions (generous bound: a loaded 2-core machine).
+        assert max(left_after + joined_after) < 10 * INTERVAL + 5
+    finally:
+        stop_load.set()
+        for process in reversed(started):
+            if process.proc is not None:
+                process.stop(timeout=60)
+        dns.stop()

@@ -1,0 +1,192 @@
+"""deploy/kubernetes validated offline: kustomize renders every overlay, every object validates against the
+Kubernetes schemas (kubernetes-validate) or, for the Prometheus Operator and KEDA objects, against models
+generated from their CRDs (cloudcoil-models-*); the generated monitoring never drifts from alerts/ and
+dashboards/; promtool checks and tests the rules as the PrometheusRule carries them."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from appliance.monitoring import kubernetes as k8s
+from appliance.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "base", "monitoring", "autoscaling"]
+KUBERNETES_VERSION = "1.32.0"
+
+kubectl = shutil.which("kubectl")
+promtool = shutil.which("promtool")
+needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed")
+
+
+class _Loader(yaml.SafeLoader):
+    """kubectl writes `matchType: =` unquoted; YAML 1.1's `=` (value) tag is just that string here."""
+
+
+_Loader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
+
+
+def render(path: str) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / path)], check=True, capture_output=True, text=True)
+    return [doc for doc in yaml.load_all(out.stdout, Loader=_Loader) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {path: render(path) for path in OVERLAYS}
+
+
+def crd_model(obj: dict[str, Any]):
+    from cloudcoil.models.keda import v1alpha1 as keda
+    from cloudcoil.models.prometheus_operator import v1 as monitoring
+    from cloudcoil.models.prometheus_operator import v1alpha1 as monitoring_alpha
+
+    return {("monitoring.coreos.com/v1", "PrometheusRule"): monitoring.PrometheusRule,
+            ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring.ServiceMonitor,
+            ("monitoring.coreos.com/v1", "PodMonitor"): monitoring.PodMonitor,
+            ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"): monitoring_alpha.AlertmanagerConfig,
+            ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject}.get((obj["apiVersion"], obj["kind"]))
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Raise when ``obj`` does not fit its schema: core kinds by kubernetes-validate (strict: unknown fields
+    fail), CRD kinds by parsing into the CRD's model and requiring that nothing was dropped (the models ignore
+    unknown fields, so a round trip that loses a field means the field is not in the CRD)."""
+    model = crd_model(obj)
+    if model is None:
+        import kubernetes_validate
+
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        return
+    parsed = model.model_validate(obj).model_dump(by_alias=True, exclude_unset=True, mode="json")
+    if parsed != obj:
+        raise ValueError(f"{obj['kind']} {obj['metadata']['name']}: fields outside the CRD schema")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_every_rendered_object_validates(rendered, path):
+    objects = rendered[path]
+    assert objects
+    for obj in objects:
+        validate(obj)
+
+
+@needs_kubectl
+def test_the_validators_can_fail(rendered):
+    gpu = rendered["overlays/gpu"]
+    deployment = copy.deepcopy(next(o for o in gpu if o["kind"] == "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/x"
+    with pytest.raises(Exception, match="paht"):
+        validate(deployment)
+    for kind in ("PrometheusRule", "ScaledObject", "PodMonitor", "AlertmanagerConfig"):
+        broken = copy.deepcopy(next(o for o in gpu if o["kind"] == kind))
+        broken["spec"]["bogusField"] = 1
+        with pytest.raises(ValueError, match="CRD"):
+            validate(broken)
+
+
+def test_generated_monitoring_matches_its_sources():
+    assert k8s.stale(k8s.render(), DEPLOY) == [], "run `python -m appliance.monitoring.kubernetes --write`"
+
+
+def test_check_mode_reports_drift(tmp_path, capsys):
+    k8s.write(k8s.render(), tmp_path)
+    assert k8s.run(check=True, out_dir=tmp_path) == 0
+    (tmp_path / "monitoring" / "prometheusrule.yaml").write_text("stale\n")
+    assert k8s.run(check=True, out_dir=tmp_path) == 1
+    assert "prometheusrule.yaml (generated)" in capsys.readouterr().out
+
+
+def test_rules_and_dashboards_are_carried_unchanged():
+    rule = k8s.prometheus_rule(ROOT)
+    groups = [g for name in ("recording.rules.yaml", "alerts.rules.yaml")
+              for g in yaml.safe_load((ROOT / "alerts" / name).read_text())["groups"]]
+    assert rule["spec"]["groups"] == groups
+    maps = k8s.dashboard_configmaps(ROOT)
+    assert {name for m in maps for name in m["data"]} == {p.name for p in (ROOT / "dashboards").glob("*.json")}
+    assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
+
+
+def test_autoscaling_thresholds_come_from_alerts_config():
+    config = yaml.safe_load((ROOT / "alerts" / "config.yaml").read_text())
+    target = k8s.Target()
+    triggers = {t["name"]: t for t in k8s.scaled_object(ROOT, target)["spec"]["triggers"]}
+    queue = config["alerts"]["ApplianceQueueBacklog"]["threshold"] * target.headroom
+    kv = config["alerts"]["ApplianceKVCacheNearFull"]["threshold"] * target.headroom
+    assert float(triggers["queue"]["metadata"]["threshold"]) == pytest.approx(queue)
+    assert float(triggers["kv-cache"]["metadata"]["threshold"]) == pytest.approx(kv)
+    assert "job:appliance_request_ttft_slow:ratio_rate5m" in triggers["ttft-burn"]["metadata"]["query"]
+
+
+@needs_kubectl
+@pytest.mark.skipif(promtool is None, reason="promtool is not installed")
+def test_promtool_checks_and_tests_the_rules_from_the_prometheus_rule(rendered, tmp_path):
+    rule = next(o for o in rendered["overlays/gpu"] if o["kind"] == "PrometheusRule")
+    extracted = tmp_path / "extracted.rules.yaml"
+    extracted.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    check = subprocess.run([promtool, "check", "rules", str(extracted)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    (tmp_path / "tests").mkdir()
+    test_files = []
+    for source in sorted((ROOT / "alerts" / "tests").glob("*.test.yaml")):
+        test = yaml.safe_load(source.read_text())
+        test["rule_files"] = ["../extracted.rules.yaml"]
+        path = tmp_path / "tests" / source.name
+        path.write_text(yaml.safe_dump(test, sort_keys=False))
+        test_files.append(str(path))
+    assert test_files
+    result = subprocess.run([promtool, "test", "rules", *test_files], capture_output=True, text=True,
+                            cwd=tmp_path / "tests")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _pod(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind)["spec"]["template"]["spec"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu-demo"])
+def test_pods_drain_before_kill_and_run_locked_down(rendered, overlay):
+    objects = rendered[overlay]
+    drain = Settings().drain_timeout_seconds
+    config = yaml.safe_load((DEPLOY / "base" / "appliance.yaml").read_text())
+    drain = config.get("drain_timeout_seconds", drain)
+    for kind in ("Deployment", "StatefulSet"):
+        pod = _pod(objects, kind)
+        container = pod["containers"][0]
+        pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pod["terminationGracePeriodSeconds"] > drain + pre_stop
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        env = {e["name"]: e for e in container["env"]}
+        assert env["APPLIANCE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "appliance-secrets"
+    assert not [o for o in objects if o["kind"] == "Secret"], "secrets are created by the operator, never committed"
+    headless = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "appliance-engines")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert config["discovery"]["name"] == headless["metadata"]["name"]
+
+
+@needs_kubectl
+def test_gpu_nodes_ask_for_gpus_and_only_gateways_reach_engines(rendered):
+    objects = rendered["overlays/gpu"]
+    node = _pod(objects, "StatefulSet")["containers"][0]
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in str(rendered["overlays/cpu-demo"])
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy" and "node" in o["metadata"]["name"])
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "node"
+    sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    components = {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                  for p in sources if "namespaceSelector" not in p}
+    assert components == {"gateway"}  # besides Prometheus (its own namespace) no one else

@@ -1,0 +1,152 @@
+"""`POST /admin/reload` and `appliance reload`: re-read the start configuration, roll engine changes one replica at
+a time, refuse what cannot roll (listing the keys), reject an invalid file; over restartable doubles."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from appliance.app import create_app
+from appliance.maintenance.reload import changed_keys
+from appliance.settings import Settings, load_settings
+from tests.maintenance.conftest import AUTH
+from tests.maintenance.support import fleet
+from tests.maintenance.test_webhook import actions, wait_idle
+
+BASE = {"served_model_name": "demo", "replicas": 2, "admin_token": "t0ken", "collectors": {"enabled": False},
+        "engine": {"max_num_seqs": 16}}
+
+
+class StagingFleet:
+    """The restartable doubles as a Reconfigurable fleet: records what each reload staged."""
+
+    def __init__(self, replicas) -> None:
+        self.replicas = replicas
+        self.staged: list[Settings] = []
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def stage(self, settings: Settings) -> None:
+        self.staged.append(settings)
+
+
+@pytest.fixture
+def reloadable(stubs, tmp_path):
+    config = tmp_path / "appliance.yaml"
+    config.write_text(yaml.safe_dump(BASE))
+    doubles = fleet([s.url for s in stubs])
+    stager = StagingFleet(doubles)
+    registry = CollectorRegistry()
+    app = create_app(load_settings(config), fleet=stager, registry=registry)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, config, stager, registry
+
+
+def edit(config: Path, **changes) -> None:
+    data = yaml.safe_load(config.read_text())
+    for key, value in changes.items():
+        section, _, sub = key.partition("__")
+        if sub:
+            data.setdefault(section, {})[sub] = value
+        else:
+            data[section] = value
+    config.write_text(yaml.safe_dump(data))
+
+
+def test_engine_changes_roll_one_replica_at_a_time(reloadable):
+    client, config, stager, registry = reloadable
+    edit(config, engine__max_num_seqs=8, engine__extra_args=["--enforce-eager"])
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 202, response.text
+    assert response.json()["changed"] == ["engine.extra_args", "engine.max_num_seqs"]
+    wait_idle(client)
+    assert [r.status.restarts for r in stager.replicas] == [1, 1]
+    restarts = [e for e in stager.replicas[0].events if e[0] == "restart"]
+    assert all(routable_others >= 1 for _, _, routable_others, _ in restarts)  # one at a time
+    assert stager.staged[-1].engine.max_num_seqs == 8
+    assert actions(registry, "rolling_restart", "ok", trigger="admin") == 1
+    # the same file again: nothing changed, nothing restarted
+    again = client.post("/admin/reload", headers=AUTH)
+    assert again.status_code == 200 and again.json()["changed"] == []
+    wait_idle(client)
+    assert [r.status.restarts for r in stager.replicas] == [1, 1]
+
+
+@pytest.mark.parametrize(("changes", "keys"), [
+    ({"port": 9001}, "port"),
+    ({"replicas": 3}, "replicas"),
+    ({"host": "0.0.0.0", "engine__max_num_seqs": 8}, "host"),
+    ({"engine__tensor_parallel_size": 2}, "engine.tensor_parallel_size"),
+    ({"admission__max_queue": 3}, "admission.max_queue"),
+])
+def test_changes_that_cannot_roll_are_refused_with_the_keys(reloadable, changes, keys):
+    client, config, stager, _registry = reloadable
+    edit(config, **changes)
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 409
+    error = response.json()["error"]
+    assert error["code"] == "reload_refused" and keys in error["message"] and "Nothing changed" in error["message"]
+    assert "engine.max_num_seqs" not in error["message"]  # rollable keys are not listed as blockers
+    assert stager.staged == [] and [r.status.restarts for r in stager.replicas] == [0, 0]
+
+
+def test_an_invalid_file_is_a_400_and_changes_nothing(reloadable):
+    client, config, stager, _registry = reloadable
+    edit(config, engine__max_num_seqs=0)
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_config"
+    assert "engine.max_num_seqs" in response.json()["error"]["message"]
+    config.write_text("{not: yaml: [")
+    assert client.post("/admin/reload", headers=AUTH).status_code == 400
+    assert stager.staged == []
+
+
+def test_reload_needs_the_admin_token_and_a_configuration_source(reloadable, make_app):
+    client, *_ = reloadable
+    assert client.post("/admin/reload").status_code == 401
+    built_in_code, _replicas, _registry = make_app()  # settings not loaded from a source, engines not ours
+    response = built_in_code.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 409 and response.json()["error"]["code"] == "reload_unavailable"
+
+
+def test_values_the_start_command_filled_in_are_kept(stubs, tmp_path):
+    config = tmp_path / "appliance.yaml"
+    config.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "admin_token"}))
+    settings = load_settings(config).model_copy(update={"admin_token": "t0ken", "model": tmp_path})  # `up` does
+    stager = StagingFleet(fleet([s.url for s in stubs]))
+    with TestClient(create_app(settings, fleet=stager, registry=CollectorRegistry())) as client:
+        edit(config, engine__max_num_seqs=4)
+        response = client.post("/admin/reload", headers=AUTH)
+        assert response.status_code == 202 and response.json()["changed"] == ["engine.max_num_seqs"]
+        assert stager.staged[-1].model == tmp_path and stager.staged[-1].admin_token == "t0ken"
+        wait_idle(client)
+
+
+def test_changed_keys_names_nested_keys():
+    old, new = Settings(), Settings(engine={"max_num_seqs": 3}, port=9000)
+    assert changed_keys(old, new) == ["engine.max_num_seqs", "port"]
+
+
+def test_cli_reload_prints_what_changed(reloadable, monkeypatch, capsys):
+    from appliance import admin_client
+    from appliance.cli import admin as cli
+
+    client, config, _stager, _registry = reloadable
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "t0ken")
+    monkeypatch.setattr(admin_client, "call",
+                        lambda _url, method, path: client.request(method, path, headers=AUTH).json())
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    edit(config, engine__max_num_seqs=8)
+    args = parser.parse_args(["reload"])
+    assert args.handler(args) == 0
+    assert "engine.max_num_seqs changed; rolling restart accepted" in capsys.readouterr().out
+    wait_idle(client)

@@ -1,0 +1,40 @@
+"""The admin token file is owner-only whatever was lying around in the state dir."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from appliance.admin_token import TOKEN_FILE, ensure_admin_token
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_stale_world_readable_temp_file_does_not_make_the_token_world_readable(tmp_path):
+    stale = tmp_path / f".{TOKEN_FILE}.tmp"  # what an interrupted earlier write left behind
+    stale.write_text("old\n")
+    stale.chmod(0o644)
+    token = ensure_admin_token(tmp_path)
+    assert mode(tmp_path / TOKEN_FILE) == 0o600
+    assert (tmp_path / TOKEN_FILE).read_text() == token + "\n" and len(token) == 32
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{TOKEN_FILE}.") and p != stale] == []
+
+
+def test_an_existing_token_is_kept_and_narrowed_to_the_owner(tmp_path):
+    path = tmp_path / TOKEN_FILE
+    path.write_text("abc123\n")
+    path.chmod(0o644)
+    assert ensure_admin_token(tmp_path) == "abc123"
+    assert mode(path) == 0o600
+
+
+def test_an_empty_file_gets_a_new_token_under_a_permissive_umask(tmp_path):
+    (tmp_path / TOKEN_FILE).write_text("")
+    old = os.umask(0)
+    try:
+        token = ensure_admin_token(tmp_path)
+    finally:
+        os.umask(old)
+    assert token and mode(tmp_path / TOKEN_FILE) == 0o600
