@@ -70,6 +70,8 @@ RUN pip install --no-index --no-deps --no-build-isolation . && rm -rf build *.eg
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/appliance appliance \
     && install -d -o appliance -g appliance /var/lib/appliance/models /var/lib/appliance/logs
 USER appliance
+# Engine output on the container's stdout too (`docker logs`), besides the rotated files under logs/.
+ENV APPLIANCE_ENGINE_LOG_STDOUT=true
 EXPOSE 8000
 # SIGTERM drains: in-flight requests finish (drain_timeout_seconds), then engines stop, exit 0.
 STOPSIGNAL SIGTERM

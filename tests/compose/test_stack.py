@@ -119,8 +119,6 @@ def test_a_killed_engine_fires_through_alertmanager_resolves_and_leaves_no_zombi
     assert "replica-0 exited with 137" in compose_stack.logs("appliance-cpu", tail=2000)
 
 
-@pytest.mark.xfail(strict=True, reason="appliance/engine/logs.py is not yet hooked into Replica._spawn (the lead "
-                                       "does it at merge: remove this mark then)")
 def test_engine_output_is_in_the_container_log_and_in_the_rotated_file(compose_stack: ComposeStack) -> None:
     logs = compose_stack.logs("appliance-cpu", tail=5000)
     assert "[replica-0] " in logs
