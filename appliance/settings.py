@@ -300,6 +300,14 @@ class Settings(BaseSettings):
     def source(self) -> SettingsSource | None:
         return self._source
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_model_is_unset(cls, value: Any) -> Any:
+        """APPLIANCE_MODEL= (compose passes an unset variable as "") means no model, not the current folder."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
