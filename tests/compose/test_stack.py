@@ -19,6 +19,8 @@ import pytest
 
 from tests.compose.stack import ComposeStack
 
+pytestmark = pytest.mark.compose  # `make test-compose`; `make test` deselects it (image builds: 20+ min cold)
+
 T = TypeVar("T")
 STREAMS = 6  # concurrent long streams in flight while `docker-compose down` runs
 
