@@ -118,7 +118,7 @@ def test_a_killed_engine_fires_through_alertmanager_resolves_and_leaves_no_zombi
                        "the alert resolved in Alertmanager")
     time.sleep(2)
     assert compose_stack.zombies() == []
-    assert "replica-0 exited with 137" in compose_stack.logs("appliance-cpu", tail=2000)
+    assert "replica-0: engine exited with 137" in compose_stack.logs("appliance-cpu", tail=5000)
 
 
 def test_engine_output_is_in_the_container_log_and_in_the_rotated_file(compose_stack: ComposeStack) -> None:
