@@ -256,6 +256,16 @@ class Settings(BaseSettings):
         None, description="Host name /sd/targets gives Prometheus for the engines; default engine_host "
         "(compose: the appliance service's name)."
     )
+    engine_log_max_bytes: int = Field(
+        50_000_000, ge=1024, description="Each engine's log (state_dir/logs/engine-N.log) rotates at this size."
+    )
+    engine_log_backups: int = Field(
+        3, ge=1, description="Rotated engine logs kept (engine-N.log.1 ...); at least one, or nothing rotates."
+    )
+    engine_log_stdout: bool = Field(
+        False, description="Engine output also on the appliance's stdout, each line prefixed [replica-N] "
+        "(compose and the image: true, so that `docker logs` shows it)."
+    )
     engine_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Route to these engines (comma-separated URLs) instead of starting any."
     )
@@ -302,6 +312,14 @@ class Settings(BaseSettings):
     @property
     def source(self) -> SettingsSource | None:
         return self._source
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_model_is_unset(cls, value: Any) -> Any:
+        """APPLIANCE_MODEL= (compose passes an unset variable as "") means no model, not the current folder."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
 
     @field_validator("api_keys", "engine_urls", mode="before")
     @classmethod

@@ -97,3 +97,59 @@ def test_the_image_carries_the_monitoring_assets() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "COPY alerts ./alerts" in dockerfile and "COPY dashboards ./dashboards" in dockerfile
     assert "APPLIANCE_MONITORING__ASSETS_DIR=/opt/appliance" in dockerfile
+
+
+def test_an_unset_model_is_not_passed_as_an_empty_string(services) -> None:
+    """APPLIANCE_MODEL="" reads as model "." (no demo model, vLLM handed "."): unset must stay unset."""
+    for name in ("appliance", "appliance-cpu"):
+        assert services[name]["environment"]["APPLIANCE_MODEL"] is None  # pass-through: only when set
+    model = "/var/lib/appliance/models/m"
+    result = _compose_config({**REQUIRED_ENV, "APPLIANCE_MODEL": model})
+    assert yaml.safe_load(result.stdout)["services"]["appliance"]["environment"]["APPLIANCE_MODEL"] == model
+
+
+def test_vllm_gets_shared_memory_and_models_default_to_a_named_volume(services) -> None:
+    for name in ("appliance", "appliance-cpu"):
+        service = services[name]
+        assert service["shm_size"] == "8gb"
+        # A missing bind-mount folder is created owned by root; a fresh named volume takes the image's owner.
+        assert ("appliance-models", "/var/lib/appliance/models", False) in _mounts(service)
+
+
+def test_monitoring_is_published_on_loopback_and_prometheus_lifecycle_is_off(services) -> None:
+    for name in ("prometheus", "alertmanager", "grafana"):
+        for port in services[name]["ports"]:
+            published = port if isinstance(port, str) else f"{port['host_ip']}:{port['published']}"
+            assert published.startswith("127.0.0.1:"), (name, port)
+    flags = services["prometheus"]["command"]
+    assert "--web.enable-lifecycle" not in flags and "--no-web.enable-lifecycle" in flags
+
+
+def test_the_image_installs_offline_from_the_wheelhouse_and_runs_under_an_init() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    installs = re.findall(r"pip install[^\n]*", dockerfile)
+    assert installs and all("--no-index" in line for line in installs), installs
+    assert "ARG BASE_IMAGE=" in dockerfile
+    assert 'ENTRYPOINT ["tini", "--", "appliance"]' in dockerfile
+    assert "/wheelhouse/" in (ROOT / ".gitignore").read_text().split()
+    ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
+    assert "wheelhouse" not in ignored  # the build needs it in its context
+
+
+def test_the_documented_secret_setup_generates_real_values(tmp_path) -> None:
+    """docs/compose.md's .env recipe, run: a quoted heredoc would write the literal `$(openssl rand ...)`."""
+    doc = (ROOT / "docs" / "compose.md").read_text()
+    recipe = re.search(r"```bash\n(cat >> \.env <<.*?\nENV\n)", doc, re.S)
+    assert recipe, "docs/compose.md lost its .env recipe"
+    subprocess.run(["bash", "-euc", recipe.group(1)], cwd=tmp_path, check=True)
+    values = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines())
+    assert re.fullmatch(r"[0-9a-f]{64}", values["APPLIANCE_ADMIN_TOKEN"])
+    assert re.fullmatch(r"[0-9a-f]{32}", values["GRAFANA_ADMIN_PASSWORD"])
+
+
+def test_docs_name_one_compose_command() -> None:
+    """`docker compose` (the plugin) throughout the operator docs, not a mix with v1's `docker-compose`."""
+    docs = [ROOT / "README.md", ROOT / "docs" / "compose.md", *sorted((ROOT / "docs" / "runbooks").glob("*.md"))]
+    offenders = [f"{path.name}: {line.strip()}" for path in docs for line in path.read_text().splitlines()
+                 if re.search(r"`docker-compose (up|down|ps|logs|restart|stop|build|exec)\b", line)]
+    assert offenders == []

@@ -75,3 +75,15 @@ def test_an_fp8_kv_cache_is_one_byte_per_element_for_the_collectors(monkeypatch)
     monkeypatch.delenv("APPLIANCE_ENGINE__KV_CACHE_DTYPE")
     monkeypatch.delenv("APPLIANCE_COLLECTORS__KV_CACHE_DTYPE_BYTES")
     assert load_settings(None).collectors.kv_cache_dtype_bytes is None
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_model_variable_is_no_model_not_the_current_folder(monkeypatch, value):
+    monkeypatch.setenv("APPLIANCE_MODEL", value)  # compose passes an unset ${APPLIANCE_MODEL} as ""
+    assert load_settings().model is None
+
+
+def test_engine_log_limits_are_bounded(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_ENGINE_LOG_MAX_BYTES", "100")
+    with pytest.raises(ConfigError, match="engine_log_max_bytes"):
+        load_settings()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from appliance.settings import Settings
 
 
-class ReplicaState(str, enum.Enum):
+class ReplicaState(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings of a shared contract
     STARTING = "starting"  # process spawned (or address found), /health not yet green
     READY = "ready"  # serving; the gateway routes here
     UNHEALTHY = "unhealthy"  # process alive but /health failing; not routed

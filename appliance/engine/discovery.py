@@ -86,7 +86,7 @@ async def resolve_with_system(name: str, timeout: float) -> set[str] | None:
             return set()
         log.warning("resolving %s failed: %s", name, exc)
         return None
-    except (asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, OSError) as exc:
         log.warning("resolving %s failed: %r", name, exc)
         return None
     return {str(info[4][0]) for info in infos}

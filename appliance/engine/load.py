@@ -114,5 +114,5 @@ class EngineLoadPoller:
                 if resp.status != 200:
                     return None
                 return parse_engine_load(await resp.read(), time.monotonic())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return None

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import aiohttp
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
+from appliance.engine.logs import EngineLogPump
 from appliance.engine.placement import Placement
 from appliance.engine.ports import tree_listens_on
 
@@ -37,7 +39,7 @@ async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
         async with session.get(f"{url}/health",
                                timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_SECONDS)) as resp:
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         return False
 
 
@@ -55,6 +57,9 @@ class ReplicaSpec:
     start_timeout_seconds: float
     stop_timeout_seconds: float
     host: str = "127.0.0.1"  # where the gateway reaches the engine: its bind address unless that is a wildcard
+    log_max_bytes: int = 50_000_000  # log_path rotates at this size (see appliance.engine.logs)
+    log_backups: int = 3  # rotated files kept
+    log_stdout: bool = False  # engine lines also on the appliance's stdout, prefixed with the replica's name
 
     @property
     def name(self) -> str:
@@ -87,6 +92,7 @@ class SupervisedReplica:
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self._staged: ReplicaSpec | None = None
+        self._pump: EngineLogPump | None = None
 
     @property
     def name(self) -> str:
@@ -184,18 +190,32 @@ class SupervisedReplica:
         if self._staged is not None:
             self.spec, self._staged = self._staged, None
             log.info("%s: starting on the reloaded configuration", self.name)
-        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid()),
                GRACE_ENV: str(self.spec.stop_timeout_seconds)}
-        with self.spec.log_path.open("ab") as log_file:
-            header = f"\n=== appliance: starting {self.name} ({self.spec.placement.describe()}) at {time.ctime()}\n"
-            log_file.write(header.encode())
-            log_file.flush()
+        # Opens (creates) the log first: a log that cannot be written is a spawn failure, before any process.
+        pump = EngineLogPump(self.name, self.spec.log_path, max_bytes=self.spec.log_max_bytes,
+                             backups=self.spec.log_backups, stdout=sys.stdout if self.spec.log_stdout else None)
+        pump.write(f"=== appliance: starting {self.name} ({self.spec.placement.describe()}) at {time.ctime()}")
+        try:
             # A new session makes the launcher a process-group leader, so the group can be killed as a whole.
             self._proc = subprocess.Popen(
-                self.spec.command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                self.spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+        except BaseException:
+            pump.close()
+            raise
+        assert self._proc.stdout is not None
+        self._pump = pump
+        try:
+            pump.start(self._proc.stdout)
+        except BaseException:  # no thread to empty the pipe: the engine would stall on it, so it must not run
+            self._kill_group()
+            self._proc.wait()
+            self._proc = None
+            self._pump = None
+            pump.close()
+            raise
         self.status.state = ReplicaState.STARTING
         self.status.pid = self._proc.pid
         self.status.starts += 1
@@ -212,6 +232,7 @@ class SupervisedReplica:
             code = self._proc.poll()
             if code is not None:
                 self._kill_group()
+                await self._close_log()
                 return code
             assert self._session is not None
             healthy = await probe_health(self._session, self.url) and await self._answers_itself()
@@ -299,6 +320,14 @@ class SupervisedReplica:
             self.status.last_exit_code = proc.returncode
         finally:
             self._proc = None
+            await self._close_log()
+
+    async def _close_log(self) -> None:
+        """Let the pump write what the dead engine left in the pipe, then close its file (off the event loop:
+        that waits for the pump's threads)."""
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            await asyncio.to_thread(pump.close)
 
     @staticmethod
     async def _wait_exit(proc: subprocess.Popen, seconds: float) -> bool:

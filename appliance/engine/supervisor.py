@@ -42,6 +42,9 @@ def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | 
                 start_timeout_seconds=settings.engine.start_timeout_seconds,
                 stop_timeout_seconds=float(settings.engine.shutdown_timeout_seconds),
                 host=connect_host(settings.engine_host),
+                log_max_bytes=settings.engine_log_max_bytes,
+                log_backups=settings.engine_log_backups,
+                log_stdout=settings.engine_log_stdout,
             )
         )
     return specs

@@ -113,7 +113,7 @@ class Admission:
         self._waiters.append(_Waiter(waiter, exclude, request))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if waiter.done() and not waiter.cancelled():  # handed a replica at the last moment: give it back
                 self.release(waiter.result(), Outcome.ABORTED)
             waiter.cancel()

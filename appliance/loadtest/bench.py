@@ -192,7 +192,7 @@ async def preflight(session: aiohttp.ClientSession, target: Target) -> None:
             if resp.status != 200:
                 return  # not every OpenAI-compatible server lists models; the run will tell
             data = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise BenchError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
     except ValueError:
         return

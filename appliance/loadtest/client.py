@@ -13,7 +13,6 @@ not count as the first token). ``stream_options.include_usage`` makes the last c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -143,7 +142,7 @@ async def stream_request(
                 result.error = f"HTTP {resp.status}: {await _error_text(resp)}"
             else:
                 await _read_stream(resp, result, clock)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         result.error = f"timeout after {timeout:g} s"
     except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc}"

@@ -241,7 +241,7 @@ async def _open_dispatcher(
             try:
                 await asyncio.wait_for(phases.done.wait(), delay)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         index, phase = phases.assign(arrival)
         result = RequestResult(index=index, phase=phase, intended=arrival, dispatched=clock())

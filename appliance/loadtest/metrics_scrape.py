@@ -111,7 +111,7 @@ class MetricsPoller:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()
             reading = read(text, self.clock(), self.overrides)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             return None

@@ -49,7 +49,7 @@ class Annotator:
             async with aiohttp.ClientSession(timeout=self._timeout) as session, \
                     session.post(f"{self._url}/api/annotations", json=body, headers=self._headers()) as response:
                 response.raise_for_status()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:  # best effort by design
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:  # best effort by design
             self.failures += 1
             log.warning("Grafana annotation failed (%s): %s", type(exc).__name__, exc)
 

@@ -206,7 +206,7 @@ def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float
                 if response.status != 200:
                     log.warning("%s: warm-up request answered %d", replica.name, response.status)
                 return response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             log.warning("%s: warm-up request failed: %s", replica.name, exc)
             return False
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def utc_now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class MaintenanceScheduler:
@@ -56,7 +56,7 @@ class MaintenanceScheduler:
     def start(self) -> None:
         # APScheduler logs every run of every job at INFO: a line every check_interval_seconds says nothing.
         logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
-        self._scheduler = AsyncIOScheduler(timezone=timezone.utc)
+        self._scheduler = AsyncIOScheduler(timezone=UTC)
         self._scheduler.add_job(self.check, "interval", seconds=self.settings.check_interval_seconds,
                                 id="maintenance-check", max_instances=1, coalesce=True,
                                 next_run_time=self._now())

@@ -2,7 +2,8 @@
 
 Run as ``python fake_engine.py PORT`` (listens), or ``python fake_engine.py PORT --no-listen`` (alive, never
 binds: a process that is not serving), ``--ignore-term`` (ignores SIGTERM), ``--exit-after SECONDS CODE``
-(serves, then exits with CODE: a crash)."""
+(serves, then exits with CODE: a crash), ``--chatter LINES`` (prints LINES numbered lines, every tenth to
+stderr, before it listens: an engine's start-up output)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def main(argv: list[str]) -> None:
     port = int(argv[0])
     if "--ignore-term" in argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--chatter" in argv:
+        for i in range(int(argv[argv.index("--chatter") + 1])):
+            print(f"fake engine line {i:06d} " + "x" * 60, file=sys.stderr if i % 10 == 0 else sys.stdout)
+        sys.stdout.flush()
     if "--no-listen" in argv:
         while True:
             time.sleep(1)

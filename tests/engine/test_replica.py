@@ -245,3 +245,52 @@ def test_a_dead_engine_leaves_routing_at_once_not_at_the_next_health_probe(tmp_p
         await replica.stop()
 
     run(scenario)
+
+
+def chatty_spec(tmp_path: Path, port: int) -> ReplicaSpec:
+    replica_spec = spec(tmp_path, engine(port, "--chatter", "2000"), port)
+    replica_spec.log_max_bytes, replica_spec.log_backups, replica_spec.log_stdout = 20_000, 2, True
+    return replica_spec
+
+
+def test_engine_output_goes_to_a_rotated_log_and_prefixed_to_stdout(tmp_path, capsys):
+    port = free_port()
+    replica = SupervisedReplica(chatty_spec(tmp_path, port))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        await replica.stop()
+
+    run(scenario)
+    logs = tmp_path / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-0.log.1", "engine-0.log.2"]
+    assert all(p.stat().st_size <= 20_000 for p in logs.iterdir())
+    assert "fake engine line 001999 " in "".join(p.read_text() for p in logs.iterdir())
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[replica-0] === appliance: starting replica-0")
+    chatter = [line for line in out if line.startswith("[replica-0] fake engine line ")]
+    assert len(chatter) == 2000  # stderr's lines (every tenth) too, each once
+    assert "[replica-0] fake engine line 000010 " in chatter[10]
+
+
+def test_a_broken_log_destination_does_not_stop_the_replica(tmp_path, monkeypatch):
+    class BrokenStdout:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    port = free_port()
+    monkeypatch.setattr(sys, "stdout", BrokenStdout())
+    replica = SupervisedReplica(chatty_spec(tmp_path, port))
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        assert replica.status.crashes == 0 and replica.status.spawn_failures == 0
+        await replica.stop()
+
+    run(scenario)
+    assert "fake engine line 001999 " in (tmp_path / "logs" / "engine-0.log").read_text()

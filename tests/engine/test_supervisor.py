@@ -27,6 +27,14 @@ def test_specs_get_consecutive_ports_disjoint_cores_and_their_own_logs(tmp_path:
     assert all("--port" in s.command and str(s.port) in s.command for s in specs)
 
 
+def test_specs_carry_the_engine_log_settings(tmp_path: Path) -> None:
+    settings = Settings(model=tmp_path, device="cpu", state_dir=tmp_path, engine_log_max_bytes=4096,
+                        engine_log_backups=1, engine_log_stdout=True)
+    (spec,) = build_specs(settings, tmp_path)
+    assert (spec.log_max_bytes, spec.log_backups, spec.log_stdout) == (4096, 1, True)
+    assert spec.log_path == tmp_path / "logs" / "engine-0.log"
+
+
 def test_start_and_stop_every_replica(tmp_path: Path) -> None:
     def fake(index: int) -> ReplicaSpec:
         port = free_port()

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -198,7 +198,7 @@ class Squatter:
 
 def forge_alerts(alertmanager: str, replicas: list[str]) -> None:
     """What anyone who reaches Alertmanager can do: post firing alerts, no credentials needed."""
-    now = datetime.now(timezone.utc).isoformat()
+    now = datetime.now(UTC).isoformat()
     alerts = [{"labels": {"alertname": "ApplianceReplicaHung", "replica": name, "severity": "warning",
                           "remediation": "auto"}, "startsAt": now} for name in replicas]
     assert httpx.post(f"{alertmanager}/api/v2/alerts", json=alerts, timeout=10).status_code == 200

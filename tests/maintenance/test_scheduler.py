@@ -2,7 +2,7 @@
 restart; a fragmentation trigger waits for low traffic, never the window, never peak."""
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from prometheus_client import CollectorRegistry
 
@@ -16,7 +16,7 @@ from appliance.maintenance.settings import MaintenanceSettings
 from appliance.maintenance.traffic import TrafficSampler
 from tests.maintenance.support import Clock, fleet
 
-UTC = timezone.utc
+UTC = UTC
 TIMEOUTS = RestartTimeouts(drain_seconds=1, ready_seconds=1, min_ready_wait_seconds=0.2, poll_seconds=0.01)
 
 

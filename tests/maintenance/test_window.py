@@ -1,13 +1,13 @@
 """The window: in/out from cron + duration, time zones and DST, next start, crontab day-of-week numbers."""
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from zoneinfo import ZoneInfo
 
 import pytest
 
 from appliance.maintenance.window import MaintenanceWindow
 
-UTC = timezone.utc
+UTC = UTC
 
 
 def at(text: str, tz=UTC) -> datetime:

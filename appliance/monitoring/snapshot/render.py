@@ -10,7 +10,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ def format_value(value: float, unit: str) -> str:
                 return f"{value / scale:.3g} {name}"
         return f"{value:.0f} B"
     if unit in ("dateTimeFromNow", "dateTimeAsIso"):
-        return datetime.fromtimestamp(value / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return datetime.fromtimestamp(value / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     suffix = {"reqps": " req/s", "ops": " ops/s", "celsius": " °C", "watt": " W", "x": "×", "none": "",
               "short": ""}.get(unit, "")
     if unit.startswith("suffix:"):
@@ -82,7 +82,7 @@ def render_panel(result: PanelResult, path: Path, span: TimeRange) -> None:
 
 
 def _when(timestamp: float) -> datetime:
-    return datetime.fromtimestamp(timestamp, timezone.utc)
+    return datetime.fromtimestamp(timestamp, UTC)
 
 
 def _draw_stat(axes: Any, series: Sequence[Series], unit: str, panel: Mapping[str, Any]) -> None:
@@ -119,7 +119,7 @@ def _draw_lines(axes: Any, series: Sequence[Series], unit: str, panel: Mapping[s
         axes.set_yticks(sorted(mappings), [mappings[k] for k in sorted(mappings)])
     else:
         axes.yaxis.set_major_formatter(lambda value, _: format_value(value, unit))
-    axes.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=timezone.utc))
+    axes.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=UTC))
     axes.grid(alpha=0.3)
     if series:
         axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -150,7 +150,7 @@ def _draw_heatmap(figure: Any, axes: Any, series: Sequence[Series], unit: str, m
     shown = range(0, len(buckets), max(1, len(buckets) // 10))
     axes.set_yticks(list(shown), [labels[i] for i in shown], fontsize=7)
     axes.xaxis_date()
-    axes.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=timezone.utc))
+    axes.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M", tz=UTC))
     figure.colorbar(image, ax=axes, label="per second")
 
 

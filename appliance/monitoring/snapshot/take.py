@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def snapshot(request: SnapshotRequest, *, now: float | None = None) -> dict[str,
     """Take the snapshot; returns the results.json document. Raises SnapshotError before writing anything."""
     span = TimeRange.resolve(request.start, request.end, step=request.step, rate_interval=request.rate_interval,
                              scrape_interval=request.scrape_interval,
-                             now=now if now is not None else datetime.now(timezone.utc).timestamp())
+                             now=now if now is not None else datetime.now(UTC).timestamp())
     board = load_dashboard(request.dashboard, request.dashboards_dir)
     _prepare_out(request.out, request.overwrite)
     variables = {k: v for k, v in request.variables.items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 MAX_POINTS = 11_000  # Prometheus refuses range queries with more points per series
 DEFAULT_POINTS = 240  # default resolution: about one point per 2 px of a panel image
@@ -53,7 +53,7 @@ def parse_time(text: str, now: float) -> float:
     except ValueError:
         raise SnapshotError(f"bad time {text!r} (now, now-1h, -30m, Unix seconds or ISO 8601)") from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
 
 

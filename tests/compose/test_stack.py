@@ -1,0 +1,180 @@
+"""compose.yaml run for real (podman + docker-compose 1.29, CPU profile, demo model, 1 replica): what an operator
+gets from `docker compose up`, checked against the running containers, not against `docker-compose config`.
+
+The module's tests share one stack and run in file order; the last one takes it down (the drain test).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from tests.compose.stack import ComposeStack
+
+pytestmark = pytest.mark.compose  # `make test-compose`; `make test` deselects it (image builds: 20+ min cold)
+
+T = TypeVar("T")
+STREAMS = 6  # concurrent long streams in flight while `docker-compose down` runs
+
+
+def eventually(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(1)
+    pytest.fail(f"not within {timeout:.0f}s: {what}")
+
+
+def query(stack: ComposeStack, expr: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{stack.prometheus}/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert response["status"] == "success", response
+    return response["data"]["result"]
+
+
+def exec_in(stack: ComposeStack, service: str, *command: str) -> str:
+    return stack.podman("exec", stack.container(service), *command).stdout
+
+
+def test_the_cpu_profile_builds_the_demo_model_as_its_user_and_streams(compose_stack: ComposeStack) -> None:
+    """Unset APPLIANCE_MODEL reaches the container unset (not "", which read as model "."), so the appliance
+    builds the demo model into the models volume, which the non-root image user can write."""
+    env = exec_in(compose_stack, "appliance-cpu", "env")
+    assert "APPLIANCE_MODEL=" not in env
+    owner = exec_in(compose_stack, "appliance-cpu", "stat", "-c", "%u", "/var/lib/appliance/models/demo-int8")
+    assert owner.strip() == "10001"
+    body = {"model": "demo", "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 16,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{compose_stack.gateway}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert events[-1] == "data: [DONE]"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_vllm_gets_shared_memory_and_tini_is_pid_1(compose_stack: ComposeStack) -> None:
+    shm_kib = int(exec_in(compose_stack, "appliance-cpu", "df", "-k", "--output=size", "/dev/shm").split()[-1])
+    assert shm_kib >= 8 * 1024 * 1024 - 1  # compose's shm_size (8gb), not Docker's 64 MB
+    assert compose_stack.init_process().name() == "tini"
+
+
+def test_monitoring_is_published_on_loopback_only_and_prometheus_lifecycle_is_off(
+        compose_stack: ComposeStack) -> None:
+    for service, port in (("prometheus", 9090), ("alertmanager", 9093)):
+        published = compose_stack.compose("port", service, str(port)).stdout.strip()
+        assert published.startswith("127.0.0.1:"), (service, published)
+    gateway = compose_stack.compose("port", "appliance-cpu", "8000").stdout.strip()
+    assert gateway.split(":")[0] in ("", "0.0.0.0"), gateway  # clients reach the gateway; the tools stay local
+    reload = httpx.post(f"{compose_stack.prometheus}/-/reload", timeout=10)
+    assert reload.status_code == 403 and "Lifecycle API is not enabled" in reload.text
+
+
+def test_prometheus_scrapes_the_gateway_and_the_engine_and_loads_the_rules(compose_stack: ComposeStack) -> None:
+    def targets_up() -> dict[str, int] | None:
+        targets = httpx.get(f"{compose_stack.prometheus}/api/v1/targets", timeout=10).json()["data"]
+        up = {}
+        for target in targets["activeTargets"]:
+            up[target["labels"]["job"]] = up.get(target["labels"]["job"], 0) + (target["health"] == "up")
+        return up if up.get("appliance") and up.get("vllm") else None
+
+    up = eventually(targets_up, 60, "the gateway and engine targets up in Prometheus")
+    assert up["vllm"] == 1  # the engine, discovered through /sd/targets as appliance:8100 on the compose network
+    assert eventually(lambda: query(compose_stack, 'vllm:num_requests_running{replica="replica-0"}'), 30,
+                      "vLLM's own metrics scraped from the engine")
+    groups = httpx.get(f"{compose_stack.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    names = {rule["name"] for group in groups for rule in group["rules"]}
+    assert "ApplianceReplicaNotReady" in names and len(names) > 20
+    assert all(rule.get("health") != "err" for group in groups for rule in group["rules"])
+
+
+def test_a_killed_engine_fires_through_alertmanager_resolves_and_leaves_no_zombie(
+        compose_stack: ComposeStack) -> None:
+    """Two crashes in a row. vLLM's engine core outlives a killed server and is re-parented to PID 1; without an
+    init that reaps, each crash leaves it as a zombie for the container's life."""
+    for crash in range(2):
+        victim = compose_stack.vllm_server()
+        victim.send_signal(signal.SIGKILL)
+        eventually(lambda: not compose_stack.ready(), 60, "the gateway not ready without its only replica")
+        if crash == 0:
+            selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-0", alertstate="firing"}'
+            eventually(lambda s=selector: query(compose_stack, s), 90, "ApplianceReplicaNotReady firing")
+            eventually(lambda: _active_in_alertmanager(compose_stack, "ApplianceReplicaNotReady"), 60,
+                       "ApplianceReplicaNotReady active in Alertmanager")
+        compose_stack.wait_ready(timeout=600)
+        assert compose_stack.vllm_server().pid != victim.pid
+        if crash == 0:
+            eventually(lambda s=selector: not query(compose_stack, s), 60, "the alert resolved in Prometheus")
+            eventually(lambda: not _active_in_alertmanager(compose_stack, "ApplianceReplicaNotReady"), 60,
+                       "the alert resolved in Alertmanager")
+    time.sleep(2)
+    assert compose_stack.zombies() == []
+    assert "replica-0: engine exited with 137" in compose_stack.logs("appliance-cpu", tail=5000)
+
+
+def test_engine_output_is_in_the_container_log_and_in_the_rotated_file(compose_stack: ComposeStack) -> None:
+    logs = compose_stack.logs("appliance-cpu", tail=5000)
+    assert "[replica-0] " in logs
+    files = exec_in(compose_stack, "appliance-cpu", "ls", "/var/lib/appliance/logs").split()
+    assert "engine-0.log" in files
+
+
+def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose_stack: ComposeStack) -> None:
+    """Last: it takes the stack down. SIGTERM from `docker-compose down` while streams run: readiness turns 503,
+    every stream runs to its end, the container exits 0 within the grace period."""
+    container = compose_stack.container("appliance-cpu")
+    waiter = subprocess.Popen(["podman", "wait", container], env=compose_stack.podman.env, stdout=subprocess.PIPE,
+                              text=True)
+    results: list[list[str]] = []
+    started = threading.Barrier(STREAMS + 1)
+    threads = [threading.Thread(target=_stream, args=(compose_stack.gateway, started, results)) for _ in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=120)
+    signalled = time.monotonic()
+    down = compose_stack.popen("down")
+    eventually(lambda: not compose_stack.ready(), 30, "readiness 503 after SIGTERM")
+    drained_seen = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=300)
+    streamed = time.monotonic()
+    exit_code = int(waiter.communicate(timeout=200)[0].strip().splitlines()[-1])
+    stopped = time.monotonic() - signalled
+    down_out, _ = down.communicate(timeout=200)
+    assert drained_seen < streamed, "the streams ended before the appliance saw SIGTERM: nothing was drained"
+    assert len(results) == STREAMS
+    for events in results:
+        assert events[-1] == "data: [DONE]", events[-3:]
+        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # ran to max_tokens, not cut short
+    assert exit_code == 0, down_out
+    assert stopped < 150  # compose.yaml's stop_grace_period: exited by itself, not SIGKILLed
+    assert down.returncode == 0, down_out
+
+
+def _stream(gateway: str, started: threading.Barrier, results: list[list[str]]) -> None:
+    body = {"model": "demo", "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=300) as response:
+            lines = response.iter_lines()
+            events.append(next(lines))
+            started.wait(timeout=120)
+            events.extend(line for line in lines if line)
+    finally:
+        results.append(events)
+
+
+def _active_in_alertmanager(stack: ComposeStack, alertname: str) -> bool:
+    alerts = httpx.get(f"{stack.alertmanager}/api/v2/alerts", params={"filter": f'alertname="{alertname}"'},
+                       timeout=5).json()
+    return any(a["labels"].get("replica") == "replica-0" and a["status"]["state"] == "active" for a in alerts)

@@ -1,0 +1,67 @@
+"""scripts/setup and scripts/lib/pip-sources.sh: where the CPU torch comes from is detected, not assumed, and a
+machine that cannot get it is told at once, naming PyTorch's CPU index (the fresh-machine path of `make up`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UNREACHABLE = "http://127.0.0.1:9"  # discard port: connection refused at once
+
+
+def _isolated_pip_env(**extra: str) -> dict[str, str]:
+    """No host pip configuration (find-links, mirrors, constraints): what a fresh machine has."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "APPLIANCE_", "PYTORCH_"))}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": f"{UNREACHABLE}/simple",
+            "PYTORCH_CPU_INDEX": f"{UNREACHABLE}/whl/cpu", **extra}
+
+
+def _resolve(env: dict[str, str]) -> subprocess.CompletedProcess:
+    script = f'. scripts/lib/pip-sources.sh; resolve_pip_sources {sys.executable} && echo "SOURCE=$PIP_SOURCE"'
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _fake_torch_wheel(folder: Path, version: str) -> None:
+    name = f"torch-{version}+cpu"
+    with zipfile.ZipFile(folder / f"{name}-py3-none-any.whl", "w") as wheel:
+        info = f"{name}.dist-info"
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}+cpu\n")
+        wheel.writestr(f"{info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def test_no_source_of_the_cpu_torch_stops_at_once_naming_the_pytorch_index() -> None:
+    result = _resolve(_isolated_pip_env())
+    assert result.returncode == 1
+    assert "torch==2.13.0+cpu" in result.stderr and f"{UNREACHABLE}/whl/cpu" in result.stderr
+    assert "APPLIANCE_WHEELHOUSE" in result.stderr
+
+
+def test_pip_configured_find_links_that_carry_it_are_used_as_they_are(tmp_path: Path) -> None:
+    _fake_torch_wheel(tmp_path, "2.13.0")
+    result = _resolve(_isolated_pip_env(PIP_FIND_LINKS=str(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert "SOURCE=pip's configured sources" in result.stdout
+
+
+def test_a_wheelhouse_means_no_index_and_an_incomplete_one_is_refused(tmp_path: Path) -> None:
+    result = _resolve(_isolated_pip_env(APPLIANCE_WHEELHOUSE=str(tmp_path)))
+    assert result.returncode == 1 and "not a complete wheelhouse" in result.stderr
+    (tmp_path / ".complete").write_text("pip\n")
+    result = _resolve(_isolated_pip_env(APPLIANCE_WHEELHOUSE=str(tmp_path)))
+    assert result.returncode == 0 and "(--no-index)" in result.stdout
+
+
+def test_setup_refuses_a_python_older_than_3_11_with_a_clear_message(tmp_path: Path) -> None:
+    fake = tmp_path / "python3.10"
+    fake.write_text('#!/bin/sh\nif [ "$1" = -V ]; then echo "Python 3.10.12"; exit 0; fi\nexit 1\n')
+    fake.chmod(0o755)
+    result = subprocess.run([str(ROOT / "scripts" / "setup")], env={**os.environ, "PYTHON": str(fake)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "Python 3.10.12 is too old" in result.stderr and "3.11 or newer" in result.stderr
