@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoadPoller
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
-from appliance.gateway.metrics import FleetCollector, RequestMetrics
+from appliance.gateway.fleet_metrics import FleetCollector
+from appliance.gateway.metrics import RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
 from appliance.gateway.routes import health, metrics, openai

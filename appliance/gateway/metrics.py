@@ -1,9 +1,5 @@
-"""The gateway's Prometheus metrics: latency as clients see it, and the fleet's state read at scrape time.
-
-Request metrics are observed on the request path (a few microseconds each). Everything that is state (replica
-states, outstanding requests, limits, queue length, ejections, restarts) is read from the live objects when
-Prometheus scrapes, by a custom collector, so it can never drift from the truth.
-"""
+"""The gateway's Prometheus metrics observed on the request path: latency as clients see it, and how the router
+decides (a few microseconds each). The fleet's state is read at scrape time by ``gateway/fleet_metrics.py``."""
 
 from __future__ import annotations
 
@@ -14,11 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.engine.contract import ReplicaState
-
 if TYPE_CHECKING:
-    from appliance.gateway.admission import Admission
-    from appliance.gateway.router import Router
     from appliance.gateway.routing.scorers import PrefixScorer
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0,
@@ -77,50 +69,6 @@ class RequestMetrics:
             return
         self.tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
         self.tokens.labels("completion").inc(usage.get("completion_tokens") or 0)
-
-
-class FleetCollector(Collector):
-    """Replica and admission state, read from the live objects at scrape time."""
-
-    def __init__(self, router: Router, admission: Admission) -> None:
-        self._router = router
-        self._admission = admission
-
-    def collect(self) -> Iterable[Metric]:
-        replicas = list(self._router.replicas())
-        state = GaugeMetricFamily("appliance_replica_state", "1 for the state each replica is in.",
-                                  labels=["replica", "state"])
-        outstanding = GaugeMetricFamily("appliance_replica_outstanding_requests",
-                                        "Requests the gateway has in flight at each replica.", labels=["replica"])
-        limit = GaugeMetricFamily("appliance_replica_concurrency_limit",
-                                  "Adaptive concurrency limit of each replica (admission control).",
-                                  labels=["replica"])
-        ejected = GaugeMetricFamily("appliance_replica_ejected", "1 while a replica is ejected from routing.",
-                                    labels=["replica"])
-        ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
-                                        labels=["replica"])
-        for replica in replicas:
-            current = replica.status.state
-            for candidate in ReplicaState:
-                state.add_metric([replica.name, candidate.value], 1.0 if current is candidate else 0.0)
-            outstanding.add_metric([replica.name], self._router.in_flight(replica.name))
-            limit.add_metric([replica.name], self._admission.limit_of(replica.name))
-            health = self._router.health_of(replica.name)
-            ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
-            ejections.add_metric([replica.name], health.ejections)
-        yield from (state, outstanding, limit, ejected, ejections)
-        yield GaugeMetricFamily("appliance_routing_panic",
-                                "1 while too many replicas are ejected and routing ignores ejection "
-                                "(routing.eject_panic_threshold).", value=1.0 if self._router.panic() else 0.0)
-        yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
-                                value=self._router.in_flight())
-        yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
-                                value=self._admission.queue_length)
-        rejected = CounterMetricFamily("appliance_admission_rejections",
-                                       "Requests answered 429 by admission control, by reason.", labels=["reason"])
-        for reason, count in self._admission.rejected.items():
-            rejected.add_metric([reason], count)
-        yield rejected
 
 
 ROUTING_DURATION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025)

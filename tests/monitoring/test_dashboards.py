@@ -312,7 +312,8 @@ def test_the_catalogue_matches_what_the_code_registers(tmp_path: Path) -> None:
 
     from appliance.collectors import register_collectors
     from appliance.collectors.settings import CollectorSettings
-    from appliance.gateway.metrics import FleetCollector, RequestMetrics
+    from appliance.gateway.fleet_metrics import FleetCollector
+    from appliance.gateway.metrics import RequestMetrics
     from appliance.gateway.router import Router
     from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 

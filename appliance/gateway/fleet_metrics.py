@@ -1,0 +1,61 @@
+"""The fleet's state as Prometheus metrics, read from the live objects when Prometheus scrapes.
+
+Everything that is state (replica states, outstanding requests, limits, queue length, ejections) is read from the
+router and admission at scrape time by a custom collector, so it can never drift from the truth. It sits above
+both (the request-path metrics in ``gateway/metrics.py`` sit below the router, which records into them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.engine.contract import ReplicaState
+from appliance.gateway.admission import Admission
+from appliance.gateway.router import Router
+
+
+class FleetCollector(Collector):
+    """Replica and admission state, read from the live objects at scrape time."""
+
+    def __init__(self, router: Router, admission: Admission) -> None:
+        self._router = router
+        self._admission = admission
+
+    def collect(self) -> Iterable[Metric]:
+        replicas = list(self._router.replicas())
+        state = GaugeMetricFamily("appliance_replica_state", "1 for the state each replica is in.",
+                                  labels=["replica", "state"])
+        outstanding = GaugeMetricFamily("appliance_replica_outstanding_requests",
+                                        "Requests the gateway has in flight at each replica.", labels=["replica"])
+        limit = GaugeMetricFamily("appliance_replica_concurrency_limit",
+                                  "Adaptive concurrency limit of each replica (admission control).",
+                                  labels=["replica"])
+        ejected = GaugeMetricFamily("appliance_replica_ejected", "1 while a replica is ejected from routing.",
+                                    labels=["replica"])
+        ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
+                                        labels=["replica"])
+        for replica in replicas:
+            current = replica.status.state
+            for candidate in ReplicaState:
+                state.add_metric([replica.name, candidate.value], 1.0 if current is candidate else 0.0)
+            outstanding.add_metric([replica.name], self._router.in_flight(replica.name))
+            limit.add_metric([replica.name], self._admission.limit_of(replica.name))
+            health = self._router.health_of(replica.name)
+            ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
+            ejections.add_metric([replica.name], health.ejections)
+        yield from (state, outstanding, limit, ejected, ejections)
+        yield GaugeMetricFamily("appliance_routing_panic",
+                                "1 while too many replicas are ejected and routing ignores ejection "
+                                "(routing.eject_panic_threshold).", value=1.0 if self._router.panic() else 0.0)
+        yield GaugeMetricFamily("appliance_inflight_requests", "Requests in flight at the replicas.",
+                                value=self._router.in_flight())
+        yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
+                                value=self._admission.queue_length)
+        rejected = CounterMetricFamily("appliance_admission_rejections",
+                                       "Requests answered 429 by admission control, by reason.", labels=["reason"])
+        for reason, count in self._admission.rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected
