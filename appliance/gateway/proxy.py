@@ -252,6 +252,7 @@ class Upstream:
                 else:
                     self.metrics.itl.labels(exchange.route).observe(now - last)
                 last = now
+                self.admission.router.note_relayed(replica.name)
                 chunks += chunk.count(b"data: ")
                 tail = chunk[-2048:]
                 yield chunk

@@ -55,6 +55,7 @@ class Router:
         self.outstanding: dict[str, int] = {}  # requests in flight per replica, as the gateway sent them
         self.load: dict[str, EngineLoad] = {}
         self._busy_since: dict[str, float] = {}  # when each replica's in-flight count last rose from 0
+        self._relayed_at: dict[str, float] = {}  # when the gateway last relayed response bytes from each replica
         self.policy = build_policy(self.routing.scorers)
         registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RoutingMetrics(registry)
@@ -71,6 +72,15 @@ class Router:
         if name is None:
             return sum(self.outstanding.values())
         return self.outstanding.get(name, 0)
+
+    def note_relayed(self, name: str) -> None:
+        """Response bytes from ``name`` just reached the gateway: first-hand evidence that it makes progress,
+        with no polling lag (engine counters can lag, or stand still on a loaded host while tokens flow)."""
+        self._relayed_at[name] = self._clock()
+
+    def relayed_at(self, name: str) -> float | None:
+        """When the gateway last relayed response bytes from ``name`` (the router's clock), or None."""
+        return self._relayed_at.get(name)
 
     def health_of(self, name: str) -> ReplicaHealth:
         return self.ejector.health_of(name)

@@ -5,6 +5,11 @@ the API server answers, nothing is generated. The gateway already reads each eng
 generation-token counter every second (``EngineLoadPoller``); a replica that has requests running but whose
 counter has not moved for ``hung_after_seconds`` is hung. Readings older than the hung period say nothing and
 are ignored; a replica with nothing running is never hung.
+
+The engine's own gauges are not trusted alone: on a loaded host vLLM's running gauge can read 0 while a request
+runs, and its counters can lag. The gateway knows first-hand what it sent (its in-flight count: a replica with
+requests in flight is busy whatever the gauge says) and what came back (bytes relayed from the replica since the
+last check are progress whatever the counter says).
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ class _Progress:
 
 class ProgressMonitor:
     def __init__(self, replica_names: Callable[[], Sequence[str]], loads: Callable[[], Mapping[str, EngineLoad]], *,
-                 hung_after_seconds: float) -> None:
+                 hung_after_seconds: float, in_flight: Callable[[str], int] = lambda _name: 0,
+                 relayed_at: Callable[[str], float | None] = lambda _name: None) -> None:
         self._names = replica_names
         self._loads = loads
+        self._in_flight = in_flight
+        self._relayed_at = relayed_at
         self.hung_after_seconds = hung_after_seconds
         self._state: dict[str, _Progress] = {}
 
@@ -48,7 +56,10 @@ class ProgressMonitor:
                 state.tokens, state.progressed_at = None, now
                 continue
             tokens = load.generation_tokens_total
-            if not load.running or tokens is None or state.tokens is None or tokens != state.tokens:
+            busy = bool(load.running) or self._in_flight(name) > 0
+            relayed = self._relayed_at(name)
+            counted = tokens is not None and state.tokens is not None and tokens == state.tokens
+            if not busy or not counted or (relayed is not None and relayed > state.progressed_at):
                 state.progressed_at = now
             state.tokens = tokens
             self._set(name, state, now - state.progressed_at >= self.hung_after_seconds)

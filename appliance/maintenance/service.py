@@ -54,6 +54,7 @@ class DataPathView:
     loads: Callable[[], Mapping[str, EngineLoad]]  # the latest engine readings, by replica
     queue_length: Callable[[], int]  # requests waiting in the gateway
     requests_total: Callable[[], float]  # every request answered so far (a counter)
+    relayed_at: Callable[[str], float | None] = lambda _name: None  # when bytes from a replica were last relayed
 
 
 def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Replica]],
@@ -73,7 +74,8 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                              lookback_seconds=m.traffic_lookback_seconds, max_request_rate=m.max_request_rate,
                              max_queue=m.max_queue)
     progress = ProgressMonitor(lambda: [r.name for r in replicas()], data_path.loads,
-                               hung_after_seconds=m.hung_after_seconds)
+                               hung_after_seconds=m.hung_after_seconds, in_flight=data_path.in_flight,
+                               relayed_at=data_path.relayed_at)
     procedure = RestartProcedure(timeouts, warm, in_flight=data_path.in_flight)
     controller = MaintenanceController(replicas, procedure, min_ready=m.min_ready_replicas,
                                        metrics=metrics, annotator=annotator, is_hung=progress.is_hung)

@@ -20,6 +20,9 @@ def test_stream_is_relayed_chunk_by_chunk(client):
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["0", "1", "2"]
+    replica = response.headers["x-appliance-replica"]
+    # Hung-replica detection counts relayed bytes as progress (appliance/maintenance/progress.py).
+    assert client.app.state.router.relayed_at(replica) is not None
 
 
 def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs):

@@ -132,3 +132,12 @@ def test_ejection_backoff_decays_after_a_healthy_period():
     clock.now += 600  # a long good spell: back to the first period
     assert eject_and_return() == 5
     assert router.health_of("replica-0").ejections == 5  # the counter of ejections itself never decreases
+
+
+def test_the_router_remembers_when_it_last_relayed_bytes_from_a_replica():
+    now = [10.0]
+    router = Router(list, clock=lambda: now[0])
+    assert router.relayed_at("replica-0") is None
+    router.note_relayed("replica-0")
+    now[0] = 12.5
+    assert router.relayed_at("replica-0") == 10.0

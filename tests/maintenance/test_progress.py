@@ -49,3 +49,33 @@ def test_hung_gauge():
     assert 'appliance_replica_hung{replica="replica-0"} 1.0' in page
     assert 'appliance_replica_hung{replica="replica-1"} 0.0' in page
     assert "appliance_maintenance_next_window_timestamp_seconds" not in page  # disabled: absent
+
+
+def test_a_gauge_that_reads_idle_does_not_hide_a_hung_replica_the_gateway_has_requests_at():
+    """On a loaded host vLLM's running gauge can read 0 while requests run: the gateway's own in-flight count says
+    the replica is busy, and a standing counter then means hung."""
+    loads = {"replica-0": EngineLoad(running=0, generation_tokens_total=100, read_at=0)}
+    progress = ProgressMonitor(lambda: ["replica-0"], lambda: loads, hung_after_seconds=30,
+                               in_flight=lambda name: 2)
+    for t in range(0, 31, 5):
+        loads["replica-0"] = EngineLoad(running=0, generation_tokens_total=100, read_at=t)
+        progress.check(t)
+    assert progress.hung() == ["replica-0"]
+
+
+def test_bytes_relayed_from_a_replica_are_progress_when_its_counter_lags():
+    """A generation counter that stands still while the gateway relays the replica's stream is a lagging counter,
+    not a hung engine; once the bytes stop too, the standing counter counts again."""
+    loads = {"replica-0": EngineLoad(running=2, generation_tokens_total=100, read_at=0)}
+    relayed = {"replica-0": 0.0}
+    progress = ProgressMonitor(lambda: ["replica-0"], lambda: loads, hung_after_seconds=30,
+                               relayed_at=relayed.get)
+    for t in range(0, 61, 5):
+        relayed["replica-0"] = t - 0.5  # a chunk just before each check
+        loads["replica-0"] = EngineLoad(running=2, generation_tokens_total=100, read_at=t)
+        progress.check(t)
+    assert progress.hung() == []
+    for t in range(65, 100, 5):  # the stream stops; the counter still stands
+        loads["replica-0"] = EngineLoad(running=2, generation_tokens_total=100, read_at=t)
+        progress.check(t)
+    assert progress.hung() == ["replica-0"]
