@@ -146,6 +146,7 @@ def test_make_up_without_a_cpu_torch_source_stops_at_once_naming_the_index(fresh
     with fresh.container(clone, "make", "up", timeout=300) as (_, result):
         fresh.timings.record("(b) no source: make up until it stopped", started)
         output = result.stdout + result.stderr
+        print(f"\n(b) make up exited {result.returncode}:\n{output}", flush=True)
         assert result.returncode != 0, output
         assert PYTORCH_CPU_INDEX in output, output
         assert "APPLIANCE_WHEELHOUSE=DIR make up" in output, output  # and the offline way out
