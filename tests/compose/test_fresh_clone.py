@@ -63,6 +63,12 @@ def readme_packages() -> list[str]:
     return match.group(1).split()
 
 
+def engine_log_tail(clone: Path) -> str:
+    logs = sorted((clone / "var" / "logs").glob("engine-*.log"))
+    errors = [line for line in logs[0].read_text().splitlines() if "ERROR" in line] if logs else []
+    return "the engine keeps failing to start:\n" + "\n".join(errors[-40:])
+
+
 @dataclass
 class FreshMachine:
     """The clean image, and fresh clones of HEAD to run `make up` in."""
@@ -172,6 +178,8 @@ def test_make_up_with_a_wheelhouse_installs_offline_and_serves(fresh: FreshMachi
             if MODEL_BUILT in seen and fresh.http(name, "/health/ready")[0] == 200:
                 break
             assert fresh.podman.running(name), f"make up exited before the gateway was ready:\n{text[-6000:]}"
+            # An engine that cannot start restarts forever: three exits are a verdict, with the engine's reason.
+            assert text.count("engine exited with") < 3, engine_log_tail(clone)
             assert time.monotonic() < deadline, f"no ready gateway within 30 minutes:\n{text[-6000:]}"
             time.sleep(2)
         ready = time.monotonic()
