@@ -65,3 +65,15 @@ def test_setup_refuses_a_python_older_than_3_11_with_a_clear_message(tmp_path: P
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "Python 3.10.12 is too old" in result.stderr and "3.11 or newer" in result.stderr
+
+
+def test_setup_refuses_a_cpu_build_without_python_headers_before_installing(tmp_path: Path) -> None:
+    """Found by tests/compose/test_fresh_clone.py: without Python.h every vLLM CPU engine start failed with torch's
+    CppCompileError, after minutes of installing; setup now says so before it creates anything."""
+    fake = tmp_path / "python3"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *Python.h*) exit 1;; esac\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    result = subprocess.run([str(ROOT / "scripts" / "setup")], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHON": str(fake), "APPLIANCE_ENGINE_BUILD": "cpu"})
+    assert result.returncode == 1
+    assert "Python.h" in result.stderr and "apt-get install gcc g++ python3-dev" in result.stderr

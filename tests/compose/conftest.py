@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.compose.podman import cannot_run_reason, podman_service
-from tests.compose.stack import REPO, SERVICES, ComposeStack, Timings, build_images
-
-
-def _cache() -> Path:
-    return Path(os.environ.get("APPLIANCE_TEST_CACHE", REPO / "var" / "test-cache")) / "compose"
+from tests.compose.stack import SERVICES, ComposeStack, Timings, build_images, cache_dir
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +18,7 @@ def compose_stack():
         if os.environ.get("APPLIANCE_REQUIRE_TOOLS") == "1":
             pytest.fail(f"the compose test cannot run: {reason}")
         pytest.skip(f"the compose test needs podman: {reason}")
-    cache = _cache()
+    cache = cache_dir()
     timings = Timings()
     with podman_service(cache / "podman") as podman:
         build_images(podman, cache, timings)

@@ -156,6 +156,26 @@ class Podman:
                 for container in listed:
                     self("healthcheck", "run", container, check=False, timeout=60)
 
+    def run_container(self, image: str, *command: str, name: str, volumes: dict[Path, str] | None = None,
+                      network: str = "none", workdir: str | None = None, shm_size: str | None = None,
+                      detach: bool = False, timeout: float | None = 120) -> subprocess.CompletedProcess:
+        """``podman run`` of one container outside compose (``--network none`` unless told): the caller removes
+        it by ``name`` (``podman rm -f``); without ``detach`` this waits for it, and its output is the result's."""
+        args = ["run", "--name", name, "--network", network]
+        for source, target in (volumes or {}).items():
+            args += ["-v", f"{source}:{target}"]
+        if workdir is not None:
+            args += ["-w", workdir]
+        if shm_size is not None:
+            args += ["--shm-size", shm_size]
+        if detach:
+            args.append("-d")
+        return self(*args, image, *command, check=False, timeout=timeout)
+
+    def running(self, name: str) -> bool:
+        result = self("inspect", "--format", "{{.State.Running}}", name, check=False, timeout=60)
+        return result.stdout.strip() == "true"
+
     # -- images -------------------------------------------------------------------------------------------------
 
     def image_inputs(self, tag: str) -> str | None:

@@ -36,6 +36,19 @@ class Timings:
         print(f"compose test: {name} {self.phases[name]:.1f}s", file=sys.stderr, flush=True)
 
 
+def cache_dir() -> Path:
+    """Where the compose tests keep what outlives a run (podman's configuration, timings, logs)."""
+    return Path(os.environ.get("APPLIANCE_TEST_CACHE", REPO / "var" / "test-cache")) / "compose"
+
+
+def build_wheelhouse() -> Path:
+    """REPO/wheelhouse from scripts/build-wheelhouse with this interpreter (the images' Python, 3.11); it does
+    nothing when the wheelhouse is up to date with pyproject.toml."""
+    subprocess.run([str(REPO / "scripts" / "build-wheelhouse")], cwd=REPO, check=True,
+                   env={**os.environ, "PYTHON": sys.executable})
+    return REPO / "wheelhouse"
+
+
 def build_images(podman: Podman, cache: Path, timings: Timings) -> None:
     """The base image, the wheelhouse, the appliance images and the Prometheus/Alertmanager stand-ins, each
     rebuilt only when its inputs changed."""
@@ -43,8 +56,7 @@ def build_images(podman: Podman, cache: Path, timings: Timings) -> None:
     podman.ensure_base_image(cache)
     timings.record("base image", started)
     started = time.monotonic()
-    subprocess.run([str(REPO / "scripts" / "build-wheelhouse")], cwd=REPO, check=True,
-                   env={**os.environ, "PYTHON": sys.executable})
+    build_wheelhouse()
     timings.record("wheelhouse", started)
     started = time.monotonic()
     key = inputs_hash([REPO / p for p in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "appliance",
