@@ -3,7 +3,7 @@
 
 # Prometheus and Alertmanager are helpers of `up`: without them (no apt, no sudo) it serves anyway.
 up: setup
-	-@scripts/setup-tools
+	-@scripts/setup-tools --monitoring
 	.venv/bin/appliance up
 
 # The compose test (tests/compose/) builds images: minutes warm, 20+ cold. It has its own target.

@@ -77,3 +77,33 @@ def test_setup_refuses_a_cpu_build_without_python_headers_before_installing(tmp_
                             env={**os.environ, "PYTHON": str(fake), "APPLIANCE_ENGINE_BUILD": "cpu"})
     assert result.returncode == 1
     assert "Python.h" in result.stderr and "apt-get install gcc g++ python3-dev" in result.stderr
+
+
+def _tools_env(tmp_path: Path, have: list[str]) -> dict[str, str]:
+    """A PATH holding only ``have`` (stubs), bash's helpers, and an apt-get/sudo that record what was asked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ["id", "cat"]:
+        (bin_dir / name).symlink_to(Path("/usr/bin") / name)
+    for name in have:
+        (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / name).chmod(0o755)
+    for name in ["apt-get", "systemctl", "sudo"]:
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {tmp_path}/asked\n')
+        (bin_dir / name).chmod(0o755)
+    return {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+
+
+def test_make_up_installs_only_the_monitoring_tools(tmp_path):
+    """An operator's `make up` gets Prometheus and Alertmanager, not the test harness (podman, debootstrap...)."""
+    env = _tools_env(tmp_path, ["promtool", "amtool"])
+    done = subprocess.run(["/bin/bash", "scripts/setup-tools", "--monitoring"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "asked").exists()  # nothing to install
+    done = subprocess.run(["/bin/bash", "scripts/setup-tools"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    asked = (tmp_path / "asked").read_text()
+    assert done.returncode == 0 and "podman" in asked and "debootstrap" in asked and "prometheus " not in asked
+    up_recipe = (ROOT / "Makefile").read_text().split("\nup: setup\n", 1)[1].split("\n\n", 1)[0]
+    assert "scripts/setup-tools --monitoring" in up_recipe
