@@ -11,27 +11,18 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.compose.stack import ComposeStack
+from tests.polling import eventually
 
 pytestmark = pytest.mark.compose  # `make test-compose`; `make test` deselects it (image builds: 20+ min cold)
 
-T = TypeVar("T")
 STREAMS = 6  # concurrent long streams in flight while `docker-compose down` runs
 
-
-def eventually(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(1)
-    pytest.fail(f"not within {timeout:.0f}s: {what}")
 
 
 def query(stack: ComposeStack, expr: str) -> list[dict[str, Any]]:

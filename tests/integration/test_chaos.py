@@ -31,20 +31,13 @@ import pytest
 from appliance.engine.replica import HEALTH_PROBE_TIMEOUT_SECONDS, SupervisedReplica
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV, live_assets
 from tests.integration.harness import ApplianceProcess, free_port_range
+from tests.polling import eventually
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.engine
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 HUNG_AFTER = 4
 
-
-def eventually(check: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.5)
-    pytest.fail(f"not within {timeout:.0f}s: {what}")
 
 
 # The supervisor marks a replica unhealthy after this long of failed probes (each a timeout, then the interval).

@@ -15,9 +15,9 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -27,10 +27,10 @@ from appliance.monitoring.dashboards import DASHBOARDS
 from appliance.monitoring.promql import metric_names
 from appliance.monitoring.snapshot import SnapshotRequest, snapshot
 from tests.integration.conftest import ADMIN_TOKEN
+from tests.polling import eventually
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.engine
-T = TypeVar("T")
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # Metrics only NVML and the CUDA caching allocator provide.
 GPU_ONLY = re.compile(r"^appliance_(gpu|replica_gpu|engine_gpu)_|^appliance_engine_(allocation_retries|oom)_total$")
@@ -47,15 +47,6 @@ class Stack:
         assert response["status"] == "success", response
         return response["data"]["result"]
 
-
-def eventually(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``check`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        time.sleep(0.5)
-    pytest.fail(f"not within {timeout:.0f}s: {what}")
 
 
 @pytest.fixture(scope="module")
