@@ -138,6 +138,13 @@ def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_pa
     for action in ("drain", "undrain"):
         response = httpx.post(f"{stack.gateway}/admin/replicas/replica-0/{action}", headers=ADMIN, timeout=10)
         assert response.status_code == 200, response.text
+    # Data of its own for the panels that the streamed load does not feed, so that the test does not depend on
+    # what earlier tests sent through the shared appliance: an error by code (404: unknown model) and token
+    # counts (a non-streaming answer carries usage).
+    assert httpx.post(f"{stack.gateway}/v1/completions", json={"model": "no-such-model", "prompt": "x"},
+                      timeout=30).status_code == 404
+    assert httpx.post(f"{stack.gateway}/v1/completions", json={"model": "demo", "prompt": "The import system",
+                                                               "max_tokens": 8}, timeout=60).status_code == 200
     with _load(stack.gateway, clients=3):
         time.sleep(8)
     time.sleep(3)  # a few more scrapes, so the last requests are in Prometheus
