@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-from tests.compose.podman import cannot_run_reason, podman_service
+from tests.compose.podman import podman_service, require_podman
 from tests.compose.stack import SERVICES, ComposeStack, Timings, build_images, cache_dir
 
 
 @pytest.fixture(scope="session")
 def compose_stack():
-    reason = cannot_run_reason()
-    if reason:
-        if os.environ.get("APPLIANCE_REQUIRE_TOOLS") == "1":
-            pytest.fail(f"the compose test cannot run: {reason}")
-        pytest.skip(f"the compose test needs podman: {reason}")
+    require_podman("compose test")
     cache = cache_dir()
     timings = Timings()
     with podman_service(cache / "podman") as podman:

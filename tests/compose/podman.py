@@ -67,6 +67,18 @@ def containers_conf(path: Path) -> Path:
     return path
 
 
+def require_podman(test: str) -> None:
+    """Skip ``test`` where podman cannot run; in CI (APPLIANCE_REQUIRE_TOOLS=1) fail instead, so that it never
+    passes by not running."""
+    import pytest
+
+    reason = cannot_run_reason()
+    if reason:
+        if os.environ.get("APPLIANCE_REQUIRE_TOOLS") == "1":
+            pytest.fail(f"the {test} cannot run: {reason}")
+        pytest.skip(f"the {test} needs podman: {reason}")
+
+
 def cannot_run_reason() -> str | None:
     """Why podman cannot run real containers here (None when it can): not root, or a tool missing."""
     for binary, package in (("podman", "podman"), ("runc", "runc"), ("docker-compose", "docker-compose"),

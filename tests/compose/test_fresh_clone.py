@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.compose.podman import BASE_IMAGE, Podman, cannot_run_reason, inputs_hash, podman_service
+from tests.compose.podman import BASE_IMAGE, Podman, inputs_hash, podman_service, require_podman
 from tests.compose.stack import IMAGES, REPO, Timings, build_wheelhouse, cache_dir
 
 pytestmark = pytest.mark.compose
@@ -121,11 +121,7 @@ def wheelhouse() -> Path:
 
 @pytest.fixture(scope="module")
 def fresh() -> Iterator[FreshMachine]:
-    reason = cannot_run_reason()
-    if reason:
-        if os.environ.get("APPLIANCE_REQUIRE_TOOLS") == "1":
-            pytest.fail(f"the fresh-clone test cannot run: {reason}")
-        pytest.skip(f"the fresh-clone test needs podman: {reason}")
+    require_podman("fresh-clone test")
     cache = cache_dir()
     timings = Timings()
     # The service is not needed by `podman run`; its context undoes what the image build's network changes.
