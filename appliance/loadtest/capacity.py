@@ -61,6 +61,7 @@ class CapacityConfig:
     min_samples: int = 30
     rel_tol: float = 0.05
     max_confirmations: int = 3
+    client_retries: int = 2
     settle_s: float = 1.0
     seed: int = 0
     max_lag_s: float = 0.05
@@ -77,6 +78,8 @@ class CapacityConfig:
             raise ValueError("max_concurrency and requests_per_probe must be at least 1")
         if self.max_requests_per_probe < self.requests_per_probe:
             raise ValueError("max_requests_per_probe must be at least requests_per_probe")
+        if self.client_retries < 0:
+            raise ValueError("client_retries must be at least 0")
 
     @property
     def window_s(self) -> float:
@@ -96,10 +99,12 @@ class Probe:
     batches: int
     summary: dict[str, Any]
     client: dict[str, Any]
+    discarded: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "concurrency": self.concurrency, "stage": self.stage, "verdict": self.verdict,
-                "reason": self.reason, "batches": self.batches, "summary": self.summary, "client": self.client}
+                "reason": self.reason, "batches": self.batches, "summary": self.summary, "client": self.client,
+                "discarded_batches": self.discarded}
 
 
 @dataclass
@@ -131,12 +136,18 @@ class CapacitySearch:
         self.run = CapacityRun(config)
 
     async def probe(self, concurrency: int, stage: str) -> Probe:
-        """Measure one concurrency, extending the sample while the verdict is unresolved (up to the cap)."""
+        """Measure one concurrency, extending the sample while the verdict is unresolved (up to the cap).
+
+        A batch the client could not drive (its scheduling or event loop fell behind: a CPU-starved client on a
+        busy host) measures the client, not the server, so it is discarded and re-run after a settle pause, up to
+        ``client_retries`` times; only then is the probe ``invalid``. Counting such a batch as "not passing"
+        would let one stall on a shared host shrink the answer or end the search as ``unstable``."""
         cfg = self.config
         probe_id = len(self.run.probes)
         if probe_id and cfg.settle_s:  # let the requests the last probe cancelled leave the server
             await asyncio.sleep(cfg.settle_s)
         measured: list[RequestResult] = []
+        discarded: list[str] = []
         window, batches, client, bottleneck, early = 0.0, 0, {}, None, None
         batch_size = max(cfg.requests_per_probe, cfg.min_rounds * concurrency)
         while True:
@@ -148,10 +159,16 @@ class CapacitySearch:
                                 stop_when=rule)
             batches += 1
             client = run.client_report()
-            self._keep_rows(run.results, probe_id, concurrency, stage)
             bottleneck = run.client_bottleneck()
+            self._keep_rows(run.results, probe_id, concurrency, stage, discarded=bottleneck)
             if bottleneck:
-                break
+                if len(discarded) >= cfg.client_retries:
+                    break
+                discarded.append(bottleneck)
+                self.log(f"probe {probe_id}: C={concurrency} batch {batches} discarded, re-run: {bottleneck}")
+                if cfg.settle_s:
+                    await asyncio.sleep(cfg.settle_s)
+                continue
             measured += run.measured
             start = run.measure_start or 0.0
             window += (run.measure_end or start) - start
@@ -164,19 +181,23 @@ class CapacitySearch:
             batch_size = min(batch_size, cfg.max_requests_per_probe - len(measured))
         summary = summarize_results(measured, window, cfg.slo, cfg.confidence, cfg.min_samples)
         summary["early_stop"] = early
-        verdict, reason = _probe_verdict(summary, bottleneck)
+        verdict, reason = _probe_verdict(summary, bottleneck, len(discarded))
         if early and not bottleneck:
             # The partial sample's own decision ("unresolved", "fewer than the minimum") would contradict the
             # verdict: the early-stop rule is what decided, so it is the reason, with the P95s seen so far.
             verdict, reason = "fail", f"{early} ({_p95s(summary)} so far)"
-        probe = Probe(probe_id, concurrency, stage, verdict, reason, batches, summary, client)
+        probe = Probe(probe_id, concurrency, stage, verdict, reason, batches, summary, client, discarded)
         self.run.probes.append(probe)
         self.log(f"probe {probe_id}: C={concurrency} ({stage}) -> {verdict}: {reason}")
         return probe
 
-    def _keep_rows(self, results: Sequence[RequestResult], probe_id: int | str, concurrency: int, stage: str) -> None:
+    def _keep_rows(self, results: Sequence[RequestResult], probe_id: int | str, concurrency: int, stage: str,
+                   discarded: str | None = None) -> None:
+        """Every request goes to requests.jsonl; those of a discarded batch say why they do not count."""
+        extra = {"discarded": discarded} if discarded else {}
         for r in sorted(results, key=lambda r: r.index):
-            self.run.rows.append({"probe": probe_id, "concurrency": concurrency, "stage": stage, **r.as_row()})
+            self.run.rows.append({"probe": probe_id, "concurrency": concurrency, "stage": stage, **r.as_row(),
+                                  **extra})
 
     async def search(self) -> dict[str, Any]:
         """C=1, doubling, bisection, confirmation; returns (and stores) the result section."""
@@ -185,7 +206,7 @@ class CapacitySearch:
         await self._drive(bracket)
         confirmed = None
         for _ in range(cfg.max_confirmations):
-            if bracket.result is None:
+            if bracket.result is None or self._invalid() is not None:
                 break
             candidate = bracket.result
             if (await self.probe(candidate, "confirm")).verdict == "pass":
@@ -200,10 +221,21 @@ class CapacitySearch:
         while (concurrency := bracket.next()) is not None:
             stage = bracket.stage
             probe = await self.probe(concurrency, stage)
+            if probe.verdict == "invalid":
+                return  # the client cannot measure this host now: any further answer would describe the client
             bracket.record(concurrency, probe.verdict == "pass")
+
+    def _invalid(self) -> Probe | None:
+        return next((p for p in self.run.probes if p.verdict == "invalid"), None)
 
     def _result(self, bracket: BracketSearch, confirmed: int | None) -> dict[str, Any]:
         cfg = self.config
+        invalid = self._invalid()
+        if invalid is not None:
+            return {"verdict": "invalid", "max_concurrency": None,
+                    "reason": f"the client could not drive C={invalid.concurrency} in {len(invalid.discarded) + 1} "
+                              f"tries ({invalid.reason}); give the client CPU of its own, or raise --max-lag-ms "
+                              "if the SLA is far above the lag"}
         first = self.run.probes[0] if self.run.probes else None
         if confirmed is None and bracket.result is None and first is not None and first.concurrency == 1 \
                 and first.verdict != "pass" and not any(p.verdict == "pass" for p in self.run.probes):
@@ -286,10 +318,10 @@ class EarlyFail:
                 "fail the SLA whatever the rest do")
 
 
-def _probe_verdict(summary: dict[str, Any], bottleneck: str | None) -> tuple[str, str]:
+def _probe_verdict(summary: dict[str, Any], bottleneck: str | None, discarded: int) -> tuple[str, str]:
     """A probe's verdict and a one-line reason naming the SLO that decided it."""
     if bottleneck:
-        return "unresolved", f"client bottleneck, not a server measurement: {bottleneck}"
+        return "invalid", f"client bottleneck, not a server measurement: {bottleneck}"
     sla = summary["sla"]
     decisions = sla["decisions"]
     deciding = [m for m, d in decisions.items() if d["verdict"] == sla["verdict"]] or list(decisions)
@@ -297,6 +329,8 @@ def _probe_verdict(summary: dict[str, Any], bottleneck: str | None) -> tuple[str
     errors = summary["errors"]
     if errors["count"]:
         parts.append(f"{errors['count']} errors ({', '.join(f'{k}: {v}' for k, v in errors['by_kind'].items())})")
+    if discarded:
+        parts.append(f"{discarded} batch(es) discarded first: client bottleneck")
     return sla["verdict"], "; ".join(parts)
 
 

@@ -132,6 +132,9 @@ def _add_capacity(sub: Any) -> None:
                    help="an unresolved probe is extended up to this many requests")
     p.add_argument("--settle-s", type=non_negative_float, default=1.0,
                    help="pause between probes, so requests a probe cancelled have left the server")
+    p.add_argument("--client-retries", type=non_negative_int, default=2,
+                   help="re-run a probe batch the client could not drive (lag over --max-lag-ms) this many times "
+                        "before the search stops as invalid")
     p.add_argument("--metrics-url", help="the appliance's /metrics (default: the URL's origin + /metrics)")
     p.add_argument("--memory-metric", help="host memory metric (default: appliance_engine_resident_memory_bytes, "
                                            "else process_resident_memory_bytes)")
@@ -287,6 +290,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             target=target, slo=_slo(args), max_concurrency=args.max_concurrency,
             requests_per_probe=args.requests_per_probe, max_requests_per_probe=args.max_requests_per_probe,
             confidence=args.confidence, seed=args.seed, max_lag_s=args.max_lag_ms / 1e3, settle_s=args.settle_s,
+            client_retries=args.client_retries,
             soak_s=args.soak_minutes * 60.0, soak_window_s=args.soak_window_s,
             metrics_url=args.metrics_url or default_metrics_url(target.base_url),
             metric_overrides={k: v for k, v in (("memory_bytes", args.memory_metric),
@@ -323,7 +327,7 @@ def capacity_report(run: CapacityRun, prompt_info: dict[str, Any]) -> dict[str, 
         "search": {"max_concurrency": cfg.max_concurrency, "requests_per_probe": cfg.requests_per_probe,
                    "max_requests_per_probe": cfg.max_requests_per_probe, "min_rounds": cfg.min_rounds,
                    "confidence": cfg.confidence, "min_samples": cfg.min_samples, "rel_tol": cfg.rel_tol,
-                   "settle_s": cfg.settle_s,
+                   "settle_s": cfg.settle_s, "client_retries": cfg.client_retries,
                    "seed": cfg.seed, "lag_limit_s": cfg.max_lag_s},
         "prompts": prompt_info,
         "probes": [p.as_dict() for p in run.probes],

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.engine
 
 # What a client adds to the engine's own timings at most, on a loaded 2-core machine.
 CLIENT_OVERHEAD_S = 0.25
+# A bench whose client was starved refuses to report; it is re-run this many times in all before the test fails.
+BENCH_ATTEMPTS = 3
 
 
 def engine_histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float]:
@@ -54,15 +56,22 @@ def appliance_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProce
 def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(appliance, demo_model_int8, tmp_path):
     engine = f"http://127.0.0.1:{appliance.engine_port(0)}"
     names = ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds")
-    before = {n: engine_histogram(engine, n) for n in names}
-    result = appliance_cli("bench", "--url", engine, "--model", "demo", "--concurrency", "4", "--requests", "40",
-                           "--warmup", "0", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
-                           str(demo_model_int8), "--no-progress", "--out", str(tmp_path),
-                           # The engines busy both cores of a CI machine: tolerate the client being scheduled late
-                           # (the comparison below is at bucket resolution anyway).
-                           "--max-lag-ms", "1000")
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "bench.json").read_text())
+    invalid: list[str] = []
+    for attempt in range(BENCH_ATTEMPTS):
+        out = tmp_path / f"attempt-{attempt}"
+        before = {n: engine_histogram(engine, n) for n in names}
+        result = appliance_cli("bench", "--url", engine, "--model", "demo", "--concurrency", "4", "--requests",
+                               "40", "--warmup", "0", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
+                               str(demo_model_int8), "--no-progress", "--out", str(out),
+                               # The engines busy both cores of a CI machine: tolerate the client being scheduled
+                               # late (the comparison below is at bucket resolution anyway).
+                               "--max-lag-ms", "1000")
+        report = json.loads((out / "bench.json").read_text())
+        if report["valid"]:
+            break
+        # The bench refused to report: its client was starved (a verdict about the client, not the engine).
+        invalid.append(report["invalid_reason"])
+    assert result.returncode == 0, (invalid, result.stdout + result.stderr)
     assert report["valid"] and report["summary"]["requests"] == report["summary"]["succeeded"] == 40
     for name, key in zip(names, ("e2e", "ttft"), strict=True):
         buckets, count = delta(engine_histogram(engine, name), before[name])
@@ -74,7 +83,7 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
         # The client sees the engine's time plus what the engine does not time: HTTP, tokenisation and the API
         # server's event loop, which on a 2-core CI machine shares a core with a busy engine (seen: +0.13 s on TTFT).
         assert lower - 0.005 <= p50 <= upper + CLIENT_OVERHEAD_S, (name, p50, lower, upper)
-    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.png").exists()
+    assert (out / "bench.md").exists() and (out / "bench.png").exists()
 
 
 def test_capacity_search_finds_a_concurrency_on_the_demo_model(appliance, demo_model_int8, tmp_path):
@@ -83,9 +92,10 @@ def test_capacity_search_finds_a_concurrency_on_the_demo_model(appliance, demo_m
                            "--max-concurrency", "16", "--requests-per-probe", "30", "--max-requests-per-probe", "60",
                            "--settle-s", "0.5", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
                            str(demo_model_int8), "--no-progress", "--out", str(tmp_path),
-                           # As in the bench test: a busy 2-core machine schedules the client late now and then;
-                           # the SLO here (2 s) is far above such lags.
-                           "--max-lag-ms", "500")
+                           # As in the bench test: a busy 2-core machine schedules the client late now and then
+                           # (CI saw a P99 loop lag of 561 ms); the SLO here (2 s) is far above such lags, and a
+                           # batch the client could not drive anyway is re-run (--client-retries).
+                           "--max-lag-ms", "1000")
     report = json.loads((tmp_path / "capacity.json").read_text())
     found = report["result"]["max_concurrency"]
     assert result.returncode == (0 if report["result"]["verdict"] in ("met", "capped") else 1), result.stderr

@@ -11,6 +11,7 @@ import pytest
 from appliance.loadtest.bench import SLO, Target
 from appliance.loadtest.capacity import CapacityConfig, CapacityRun, CapacitySearch, run_capacity, soak_windows
 from appliance.loadtest.client import RequestResult
+from appliance.loadtest.load import LoadRun
 from appliance.loadtest.metrics_scrape import Reading, read
 from appliance.loadtest.prompts import SyntheticPrompts, WordCounter
 from tests.loadtest.stub import StubServer
@@ -93,6 +94,52 @@ def test_unresolved_probe_is_extended(stub_server: Start) -> None:
         assert probe.verdict in ("unresolved", "fail")  # a true 93% is never shown to meet 95%
 
     retry_if_starved(check)
+
+
+def _client_stalls(monkeypatch: pytest.MonkeyPatch, stalls: int | None) -> None:
+    """Make the first ``stalls`` load runs (all of them if None) report a client bottleneck, as a CPU-starved
+    client on a busy host does."""
+    stalled: list[LoadRun] = []  # held, so a later run cannot reuse a stalled one's identity
+
+    def bottleneck(run: LoadRun) -> str | None:
+        seen = any(r is run for r in stalled)
+        if not seen and (stalls is None or len(stalled) < stalls):
+            stalled.append(run)
+            seen = True
+        if seen:
+            return "the client's event loop stalled: P99 loop lag 560.8 ms > 500.0 ms"
+        return None
+
+    monkeypatch.setattr(LoadRun, "client_bottleneck", bottleneck)
+
+
+def test_a_batch_the_client_could_not_drive_is_discarded_and_rerun(stub_server: Start,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stall of the client must not count as the server failing the SLA (it ended a CI search as
+    "unstable"): the batch is re-run, and its requests stay in requests.jsonl marked as discarded."""
+    _client_stalls(monkeypatch, stalls=1)
+    stub = stub_server(ttft_s=0.003, itl_s=0.0)
+    search = CapacitySearch(_config(stub), _prompts())
+    probe = asyncio.run(search.probe(1, "feasibility"))
+    assert probe.verdict == "pass", probe.reason
+    assert len(probe.discarded) == 1 and "loop lag" in probe.discarded[0] and probe.batches >= 2
+    assert "1 batch(es) discarded first" in probe.reason
+    discarded = [row for row in search.run.rows if row.get("discarded")]
+    assert len(discarded) >= 60  # the first batch: 60 measured requests and the warm-up
+    # Only the re-run's requests count (the discarded ones are not in the summary).
+    assert probe.summary["requests"] == sum(r["phase"] == "measure" for r in search.run.rows) - 60
+
+
+def test_a_client_that_never_keeps_up_ends_the_search_as_invalid(stub_server: Start,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _client_stalls(monkeypatch, stalls=None)
+    stub = stub_server(ttft_s=0.003, itl_s=0.0)
+    run = asyncio.run(run_capacity(_config(stub, requests_per_probe=20, max_requests_per_probe=20,
+                                           client_retries=2), _prompts()))
+    assert run.result["verdict"] == "invalid" and run.result["max_concurrency"] is None, run.result
+    assert "could not drive C=1 in 3 tries" in run.result["reason"] and "--max-lag-ms" in run.result["reason"]
+    assert [(p.concurrency, p.verdict, p.batches) for p in run.probes] == [(1, "invalid", 3)]
+    assert run.exit_code == 1
 
 
 def test_soak_detects_memory_growth(stub_server: Start) -> None:
