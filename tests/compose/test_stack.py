@@ -119,6 +119,16 @@ def test_engine_output_is_in_the_container_log_and_in_the_rotated_file(compose_s
     assert "engine-0.log" in files
 
 
+def test_the_runbooks_compose_commands_work(compose_stack: ComposeStack) -> None:
+    """docs/runbooks/README.md's compose forms, run as written there: `appliance status` inside the container, and
+    one replica's engine lines picked out of `docker compose logs --no-log-prefix` by their prefix."""
+    logs = compose_stack.compose("logs", "--no-color", "--no-log-prefix", "appliance-cpu", timeout=60).stdout
+    engine_lines = [line for line in logs.splitlines() if "[replica-0]" in line]
+    assert engine_lines and all(line.startswith("[replica-0] ") for line in engine_lines), engine_lines[:5]
+    status = compose_stack.compose("exec", "-T", "appliance-cpu", "appliance", "status", timeout=60).stdout
+    assert "replica-0" in status and "ready" in status, status
+
+
 def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose_stack: ComposeStack) -> None:
     """Last: it takes the stack down. SIGTERM from `docker-compose down` while streams run: readiness turns 503,
     every stream runs to its end, the container exits 0 within the grace period."""
