@@ -115,6 +115,8 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
         "series_second_half_first": second_half[0] if second_half else None,
         "series_second_half_end": second_half[-1] if second_half else None,
         "soak_verdict": soak["verdict"], "invalid_reason": soak.get("invalid_reason"),
+        # Which series made the soak's verdict (engine memory, throughput, ...), not only the overall word.
+        "drift_verdicts": {name: drift["verdict"] for name, drift in soak["drift"].items()},
         "ttft_p95_verdict": ttft["verdict"],
         "ttft_p95_first_s": ttft["first"], "ttft_p95_last_s": ttft["last"],
         "ttft_p95_change": ttft["first_last_change"], "ttft_p95_trend_change": ttft["trend_change"],
