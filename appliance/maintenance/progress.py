@@ -58,8 +58,8 @@ class ProgressMonitor:
             tokens = load.generation_tokens_total
             busy = bool(load.running) or self._in_flight(name) > 0
             relayed = self._relayed_at(name)
-            counted = tokens is not None and state.tokens is not None and tokens == state.tokens
-            if not busy or not counted or (relayed is not None and relayed > state.progressed_at):
+            counter_standing = tokens is not None and state.tokens is not None and tokens == state.tokens
+            if not busy or not counter_standing or (relayed is not None and relayed > state.progressed_at):
                 state.progressed_at = now
             state.tokens = tokens
             self._set(name, state, now - state.progressed_at >= self.hung_after_seconds)

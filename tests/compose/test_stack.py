@@ -18,11 +18,11 @@ import pytest
 
 from tests.compose.stack import ComposeStack
 from tests.polling import eventually
+from tests.processes import paused
 
 pytestmark = pytest.mark.compose  # `make test-compose`; `make test` deselects it (image builds: 20+ min cold)
 
 STREAMS = 6  # concurrent long streams in flight while `docker-compose down` runs
-
 
 
 def query(stack: ComposeStack, expr: str) -> list[dict[str, Any]]:
@@ -143,15 +143,11 @@ def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose
     for thread in threads:
         thread.start()
     started.wait(timeout=120)
-    server = compose_stack.vllm_server()
-    server.suspend()
-    try:
+    with paused(compose_stack.vllm_server()):
         signalled = time.monotonic()
         down = compose_stack.popen("down")
         eventually(lambda: not compose_stack.ready(), 30, "readiness 503 after SIGTERM")
         drained_seen = time.monotonic()
-    finally:
-        server.resume()
     for thread in threads:
         thread.join(timeout=300)
     streamed = time.monotonic()

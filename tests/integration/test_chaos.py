@@ -32,12 +32,12 @@ from appliance.engine.replica import HEALTH_PROBE_TIMEOUT_SECONDS, SupervisedRep
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV, live_assets
 from tests.integration.harness import ApplianceProcess, free_port_range
 from tests.polling import eventually
+from tests.processes import paused
 from tests.tools import require_tool
 
 pytestmark = pytest.mark.engine
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 HUNG_AFTER = 4
-
 
 
 # The supervisor marks a replica unhealthy after this long of failed probes (each a timeout, then the interval).
@@ -276,11 +276,9 @@ def test_chaos_under_streaming_load(chaos_appliance) -> None:
 
         # 3. SIGSTOP the other engine for longer than hung_after_seconds, then let it go on.
         frozen_index = 1 - victim
-        frozen = psutil.Process(app.vllm_server_pid(frozen_index))
-        frozen.suspend()
-        note(f"SIGSTOPped replica-{frozen_index}")
-        time.sleep(HUNG_AFTER + 8)
-        frozen.resume()
+        with paused(psutil.Process(app.vllm_server_pid(frozen_index))):
+            note(f"SIGSTOPped replica-{frozen_index}")
+            time.sleep(HUNG_AFTER + 8)
         note(f"SIGCONTed replica-{frozen_index}")
         # A probe that timed out while the engine was stopped can still be the third failure in a row just
         # after SIGCONT, and flip it unhealthy for one probe: "back" means ready on every look for longer

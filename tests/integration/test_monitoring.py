@@ -48,7 +48,6 @@ class Stack:
         return response["data"]["result"]
 
 
-
 @pytest.fixture(scope="module")
 def stack(appliance) -> Stack:
     """The Prometheus and Alertmanager that `appliance up` started next to the shared appliance."""

@@ -16,6 +16,8 @@ import httpx
 import psutil
 import pytest
 
+from tests.processes import paused
+
 pytestmark = pytest.mark.engine
 
 
@@ -109,22 +111,17 @@ def test_sigterm_drains_a_long_stream_then_exits_0(appliance):
         assert response.status_code == 200
         lines = response.iter_lines()
         events.append(next(lines))
-        for server in servers:
-            server.suspend()
-        try:
+        with paused(*servers):
             signalled = time.monotonic()
             appliance.proc.send_signal(signal.SIGTERM)
-            # A draining gateway keeps listening: it answers 503, it does not refuse connections.
-            ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
-            while ready.status_code == 200 and time.monotonic() - signalled < 10:  # until the signal is handled
+            try:  # a draining gateway keeps listening: it answers 503, it does not refuse connections
                 ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
-            refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=5)
-        except httpx.TransportError as exc:
-            pytest.fail(f"{exc!r} {time.monotonic() - signalled:.2f}s after SIGTERM; gateway exit code "
-                        f"{appliance.proc.poll()}; stream so far: {events}")
-        finally:
-            for server in servers:
-                server.resume()
+                while ready.status_code == 200 and time.monotonic() - signalled < 10:  # until the signal is handled
+                    ready = httpx.get(f"{appliance.url}/health/ready", timeout=5)
+                refused = httpx.post(f"{appliance.url}/v1/completions", json={"prompt": "x"}, timeout=5)
+            except httpx.TransportError as exc:
+                pytest.fail(f"{exc!r} {time.monotonic() - signalled:.2f}s after SIGTERM; gateway exit code "
+                            f"{appliance.proc.poll()}; stream so far: {events}")
         checked = time.monotonic() - signalled
         events.extend(line for line in lines if line)
         streamed = time.monotonic() - signalled
