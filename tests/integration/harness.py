@@ -122,6 +122,11 @@ class ApplianceProcess:
                     return proc.pid
         raise LookupError(f"no vLLM server for replica {replica_index}")
 
+    def engine_core_processes(self, replica_index: int) -> list[psutil.Process]:
+        """The processes that do one replica's model work (vLLM's EngineCore, the API server's children):
+        pausing them stalls generation while the API server still answers and notices disconnects."""
+        return psutil.Process(self.vllm_server_pid(replica_index)).children(recursive=True)
+
     def engine_port(self, replica_index: int) -> int:
         return self.port - self.replicas + replica_index
 

@@ -8,6 +8,12 @@ while a request runs). Not by finished_reason="abort" either: vLLM 0.32 does not
 without the fix (main's gateway on the same engine): the engine generated all 4 x 1,000 tokens and the gateway
 counted 4 x 200; with it: 61 tokens in all, 4 x 499.
 
+The engine's model work (vLLM's EngineCore) is paused from before the requests until the gateway has counted all
+four clients gone, so the engine cannot race ahead of the disconnect: on a loaded 2-core machine an unpaused engine
+generated 1,967 tokens before the aborts landed (CI). Paused, what the engine generates after it resumes is exactly
+what nobody stopped: 4 x 1,000 tokens without the fix, a few with it. The API server and the gateway keep running,
+so the disconnect travels the real path: client -> gateway -> closed upstream connection -> vLLM abort.
+
 Its own one-replica appliance (`serve`), so that its aborts do not disturb the shared appliance's measurements.
 """
 
@@ -23,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.harness import ApplianceProcess
+from tests.processes import paused
 
 pytestmark = pytest.mark.engine
 
@@ -93,11 +100,12 @@ def settled(read, quiet_seconds: float = 3.0, timeout: float = 90.0) -> float:
 
 def test_non_streaming_clients_that_leave_stop_their_engine_requests(single):
     tokens, lengths, gone = generated(single), finished(single, "length"), gateway_count(single, "499")
-    with ThreadPoolExecutor(CLIENTS) as pool:
-        list(pool.map(lambda _: post_and_hang_up(single, 0.5), range(CLIENTS)))
-    assert wait_for(lambda: gateway_count(single, "499") - gone == CLIENTS, timeout=30)
+    with paused(*single.engine_core_processes(0)):
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            list(pool.map(lambda _: post_and_hang_up(single, 0.5), range(CLIENTS)))
+        assert wait_for(lambda: gateway_count(single, "499") - gone == CLIENTS, timeout=30)
     spent = settled(lambda: generated(single)) - tokens
-    # Each request asked for 1,000 tokens; stopped within about a second, they make a small fraction of that.
+    # Each request asked for 1,000 tokens; aborted before the engine resumed, they make a few at most.
     assert spent < CLIENTS * MAX_TOKENS / 4, f"the engine generated {spent} tokens for clients that had left"
     assert finished(single, "length") == lengths  # none ran to max_tokens for nobody
     assert gateway_count(single, "200") == 0
