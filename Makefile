@@ -6,11 +6,12 @@ up: setup
 	-@scripts/setup-tools --monitoring
 	.venv/bin/appliance up
 
-# The compose test (tests/compose/) builds images: minutes warm, 20+ cold. It has its own target.
+# The suite, then the compose stack on podman (its images build in the background meanwhile): scripts/test.
 test: setup tools
 	.venv/bin/ruff check appliance tests bench
-	.venv/bin/python -m pytest -m "not compose"
+	scripts/test
 
+# Both compose tests: the stack, and `make up` on a fresh clone in a clean container.
 test-compose: setup tools
 	.venv/bin/python -m pytest -m compose tests/compose
 

@@ -20,7 +20,7 @@ from tests.compose.stack import ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
 
-pytestmark = pytest.mark.compose  # `make test-compose`; `make test` deselects it (image builds: 20+ min cold)
+pytestmark = pytest.mark.compose  # run apart, after the suite, by scripts/test (its images build meanwhile)
 
 STREAMS = 6  # concurrent long streams in flight while `docker-compose down` runs
 
