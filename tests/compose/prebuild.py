@@ -1,5 +1,5 @@
 """Build the compose test's images ahead of the test: `scripts/test` runs this in the background (niced) while the
-rest of the suite runs, so that a cold image cache (about 12 minutes on 2 cores) is mostly paid while the suite's
+rest of the suite runs, so that a cold image cache (about 14 minutes on 2 cores) is paid while the suite's
 engines are busy anyway, and the compose test then finds its images built.
 
 The compose fixture builds the same images the same way (tests/compose/stack.py: build_images) and skips every image

@@ -11,8 +11,8 @@ counted 4 x 200; with it: 61 tokens in all, 4 x 499.
 The engine's model work (vLLM's EngineCore) is paused from before the requests until the gateway has counted all
 four clients gone, so the engine cannot race ahead of the disconnect: on a loaded 2-core machine an unpaused engine
 generated 1,967 tokens before the aborts landed (CI). Paused, what the engine generates after it resumes is exactly
-what nobody stopped: 4 x 1,000 tokens without the fix, a few with it. The API server and the gateway keep running,
-so the disconnect travels the real path: client -> gateway -> closed upstream connection -> vLLM abort.
+what nobody stopped: 4 x 1,000 tokens without the fix, 0 with it (measured). The API server and the gateway keep
+running, so the disconnect travels the real path: client -> gateway -> closed upstream connection -> vLLM abort.
 
 Its own one-replica appliance (`serve`), so that its aborts do not disturb the shared appliance's measurements.
 """
