@@ -2,7 +2,11 @@
 and drift in the three places they show:
 
 - the gateway's resident memory (RSS), sampled every ``--sample-seconds``; growth is measured from the end of
-  the warm-up (the first ``--warmup-minutes``) to the end: it should stay under 5%;
+  the warm-up (the first ``--warmup-minutes``) to the end: beyond what the prefix index grew by, it should stay
+  under 5%. The index is a cache that fills by design up to ``routing.scorers.prefix.index_bytes`` (64 MiB):
+  every new prompt adds its blocks, so under unique prompts it grows for hours (measured: 13 MB after 34,640
+  64-token prompts), and its own gauge (``appliance_routing_prefix_index_bytes``) says by how much. The raw RSS
+  growth is reported too;
 - the series on the gateway's /metrics: flat over the second half of the soak (a label that grows with traffic
   keeps growing; a bounded one adds each value once, early); the series added after warm-up are listed by name;
 - the TTFT/E2E P95 and throughput drift, judged by the project's own soak (``appliance capacity``'s windows and
@@ -70,11 +74,16 @@ def start_appliance(args: argparse.Namespace, out: Path) -> tuple[subprocess.Pop
     raise SystemExit("appliance not ready within 600 s")
 
 
-def series_keys(url: str) -> frozenset[str]:
-    """Every series on /metrics, as ``name{label="value",...}``: a count says that the set grew, the keys say which."""
+PREFIX_INDEX_BYTES = "appliance_routing_prefix_index_bytes"
+
+
+def scrape(url: str) -> tuple[frozenset[str], float | None]:
+    """Every series on /metrics, as ``name{label="value",...}`` (a count says that the set grew, the keys say
+    which), and the prefix index's accounted bytes."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return frozenset(f"{sample.name}{dict(sorted(sample.labels.items()))}"
-                     for family in text_string_to_metric_families(text) for sample in family.samples)
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    index = next((sample.value for sample in samples if sample.name == PREFIX_INDEX_BYTES), None)
+    return frozenset(f"{sample.name}{dict(sorted(sample.labels.items()))}" for sample in samples), index
 
 
 async def sample(url: str, pid: int | None, every: float, stop: asyncio.Event, rows: list[dict[str, Any]]) -> None:
@@ -85,7 +94,7 @@ async def sample(url: str, pid: int | None, every: float, stop: asyncio.Event, r
         if process is not None:
             row["rss_bytes"] = process.memory_info().rss
         try:
-            keys = await asyncio.to_thread(series_keys, url)
+            keys, row["prefix_index_bytes"] = await asyncio.to_thread(scrape, url)
             row["series"] = len(keys)
             row["_keys"] = keys
         except httpx.HTTPError:
@@ -98,6 +107,9 @@ async def sample(url: str, pid: int | None, every: float, stop: asyncio.Event, r
 def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any]) -> dict[str, Any]:
     after = [r for r in rows if r["t_s"] >= warmup_s] or rows
     rss = [r["rss_bytes"] for r in after if r.get("rss_bytes")]
+    # The index's gauge from the same sample as each RSS reading (absent where the scrape failed: counted as 0 growth).
+    index = [r.get("prefix_index_bytes") or 0 for r in after if r.get("rss_bytes")]
+    beyond_index = (rss[-1] - rss[0] - (index[-1] - index[0])) / rss[0] if rss else None
     series = [r["series"] for r in after if r.get("series") is not None]
     keyed = [r for r in after if r.get("_keys") is not None]
     added = sorted(keyed[-1]["_keys"] - keyed[0]["_keys"]) if keyed else []
@@ -109,6 +121,9 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
         "samples": len(rows),
         "rss_after_warmup_bytes": rss[0] if rss else None, "rss_end_bytes": rss[-1] if rss else None,
         "rss_growth": (rss[-1] - rss[0]) / rss[0] if rss else None,
+        "prefix_index_after_warmup_bytes": index[0] if index else None,
+        "prefix_index_end_bytes": index[-1] if index else None,
+        "rss_growth_beyond_prefix_index": beyond_index,
         "series_after_warmup": series[0] if series else None, "series_end": series[-1] if series else None,
         "series_max": max(series) if series else None,
         "series_added_after_warmup": added[:30],
@@ -124,7 +139,8 @@ def summarize(rows: list[dict[str, Any]], warmup_s: float, soak: dict[str, Any])
         "errors": soak["summary"].get("errors"),
     }
     summary["pass"] = {
-        "rss_growth_below_5pct": summary["rss_growth"] is None or summary["rss_growth"] < RSS_LIMIT,
+        # The designed fill of a bounded cache is not a leak; what grows beyond it is.
+        "rss_growth_beyond_prefix_index_below_5pct": beyond_index is None or beyond_index < RSS_LIMIT,
         "series_flat_in_second_half": bool(second_half) and max(second_half) == second_half[0],
         "ttft_p95_stable": ttft["verdict"] == "stable",  # "suspect" (a trend, not yet significant) is not a pass
         "soak_valid": soak["verdict"] != "invalid",  # the load generator kept up (else the numbers mean little)

@@ -20,3 +20,27 @@ def test_benchmark_imports(script: Path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repository first on the path
     spec.loader.exec_module(module)
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
+
+
+def test_the_soak_judges_the_gateways_memory_beyond_its_prefix_index(monkeypatch):
+    """The prefix index fills by design (bounded by its budget): RSS that grows by what the index grew passes; RSS
+    that grows 10% beyond it fails. The raw growth is reported either way."""
+    spec = importlib.util.spec_from_file_location("bench_soak_judge", BENCH / "soak.py")
+    assert spec and spec.loader
+    soak = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(soak)
+    drift = {"verdict": "stable", "first": 0.1, "last": 0.1, "first_last_change": 0.0, "trend_change": 0.0}
+    run = {"verdict": "stable", "drift": {"ttft_p95_s": drift}, "summary": {"requests": 10, "succeeded": 10}}
+
+    def rows(rss_end: float, index_end: float) -> list[dict]:
+        keys = frozenset({"a"})
+        return [{"t_s": 0, "rss_bytes": 100e6, "prefix_index_bytes": 0.0, "series": 1, "_keys": keys},
+                {"t_s": 60, "rss_bytes": rss_end, "prefix_index_bytes": index_end, "series": 1, "_keys": keys}]
+
+    filled = soak.summarize(rows(rss_end=120e6, index_end=20e6), warmup_s=0, soak=run)
+    assert filled["rss_growth"] == pytest.approx(0.20) and filled["rss_growth_beyond_prefix_index"] == 0
+    assert filled["pass"]["rss_growth_beyond_prefix_index_below_5pct"]
+    leaking = soak.summarize(rows(rss_end=130e6, index_end=20e6), warmup_s=0, soak=run)
+    assert leaking["rss_growth_beyond_prefix_index"] == pytest.approx(0.10)
+    assert not leaking["pass"]["rss_growth_beyond_prefix_index_below_5pct"]
