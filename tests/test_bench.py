@@ -4,14 +4,15 @@ package they drive (a moved function, a renamed module) breaks here and not on t
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.mark.parametrize("script", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
-def test_benchmark_imports(script: Path, monkeypatch):
+def load_bench(script: Path, monkeypatch) -> ModuleType:
+    """Import a bench script as a module, undoing what it changes in ``sys`` when the test ends."""
     name = f"bench_{script.stem}"
     spec = importlib.util.spec_from_file_location(name, script)
     assert spec and spec.loader
@@ -19,17 +20,19 @@ def test_benchmark_imports(script: Path, monkeypatch):
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up while the class is built
     monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repository first on the path
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_imports(script: Path, monkeypatch):
+    module = load_bench(script, monkeypatch)
     assert callable(getattr(module, "main", None)), f"{script.name} has no main()"
 
 
 def test_the_soak_judges_the_gateways_memory_beyond_its_prefix_index(monkeypatch):
     """The prefix index fills by design (bounded by its budget): RSS that grows by what the index grew passes; RSS
     that grows 10% beyond it fails. The raw growth is reported either way."""
-    spec = importlib.util.spec_from_file_location("bench_soak_judge", BENCH / "soak.py")
-    assert spec and spec.loader
-    soak = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    spec.loader.exec_module(soak)
+    soak = load_bench(BENCH / "soak.py", monkeypatch)
     drift = {"verdict": "stable", "first": 0.1, "last": 0.1, "first_last_change": 0.0, "trend_change": 0.0}
     run = {"verdict": "stable", "drift": {"ttft_p95_s": drift}, "summary": {"requests": 10, "succeeded": 10}}
 
