@@ -91,7 +91,9 @@ def _tools_env(tmp_path: Path, have: list[str]) -> dict[str, str]:
     for name in ["apt-get", "systemctl", "sudo"]:
         (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {tmp_path}/asked\n')
         (bin_dir / name).chmod(0o755)
-    return {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    helpers = tmp_path / "podman-helpers"  # podman's helpers (netavark, aardvark-dns): none unless a test adds them
+    helpers.mkdir()
+    return {"PATH": str(bin_dir), "HOME": str(tmp_path), "APPLIANCE_PODMAN_HELPERS": str(helpers)}
 
 
 def test_make_up_installs_only_the_monitoring_tools(tmp_path):
@@ -107,3 +109,24 @@ def test_make_up_installs_only_the_monitoring_tools(tmp_path):
     assert done.returncode == 0 and "podman" in asked and "debootstrap" in asked and "prometheus " not in asked
     up_recipe = (ROOT / "Makefile").read_text().split("\nup: setup\n", 1)[1].split("\n\n", 1)[0]
     assert "scripts/setup-tools --monitoring" in up_recipe
+
+
+def test_setup_tools_installs_the_network_backend_whose_dns_resolves_service_names(tmp_path):
+    """Found on a machine that never had netavark: with podman, runc and iptables alone (apt without recommends),
+    podman ran on CNI without DNS, Prometheus could not resolve `alertmanager` and the compose test failed. The
+    script now installs netavark and aardvark-dns whenever they are missing, even with podman present."""
+    tools = ["promtool", "amtool", "docker-compose", "podman", "runc", "iptables", "debootstrap"]
+    env = _tools_env(tmp_path, tools)
+    done = subprocess.run(["/bin/bash", "scripts/setup-tools"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    install = [line for line in (tmp_path / "asked").read_text().splitlines() if " install " in line]
+    assert len(install) == 1 and install[0].split()[-2:] == ["netavark", "aardvark-dns"], install
+    helpers = Path(env["APPLIANCE_PODMAN_HELPERS"])
+    for helper in ("netavark", "aardvark-dns"):
+        (helpers / helper).write_text("#!/bin/sh\nexit 0\n")
+        (helpers / helper).chmod(0o755)
+    (tmp_path / "asked").unlink()
+    done = subprocess.run(["/bin/bash", "scripts/setup-tools"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and not (tmp_path / "asked").exists()

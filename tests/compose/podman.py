@@ -7,6 +7,10 @@ What the harness adds to a plain ``podman system service``, each for a reason fo
   crun refuses the hybrid cgroup layout, runc does not;
 - a health-check loop: podman 4.3 schedules health checks with systemd timers, and without systemd every
   container stays "starting", so ``depends_on: condition: service_healthy`` would wait forever;
+- netavark as the network backend, named in that configuration and checked before anything starts: its
+  aardvark-dns resolves one service's name from another (Prometheus scrapes ``appliance-cpu`` and alerts
+  ``alertmanager``). Without it podman falls back to CNI, where names do not resolve, and podman also keeps CNI on a
+  machine whose storage already holds images unless the configuration says otherwise;
 - cleanup of what netavark changes on the host: it turns on ip_forward and leaves NETAVARK iptables chains.
 
 Images are built once and reused: podman's storage persists on the machine, and each image carries a label with
@@ -38,7 +42,11 @@ default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
+[network]
+network_backend = "netavark"
 """
+# Where Debian's podman looks for its network helpers (containers.conf's helper_binaries_dir).
+PODMAN_HELPERS = Path(os.environ.get("APPLIANCE_PODMAN_HELPERS", "/usr/lib/podman"))
 
 
 def _run(args: list[str], *, env: dict[str, str] | None = None, check: bool = True, timeout: float | None = None,
@@ -85,9 +93,21 @@ def cannot_run_reason() -> str | None:
                             ("debootstrap", "debootstrap")):
         if not shutil.which(binary):
             return f"{binary} not found: apt-get install {package} (scripts/setup-tools installs it)"
+    for helper in ("netavark", "aardvark-dns"):
+        if not os.access(PODMAN_HELPERS / helper, os.X_OK):
+            return (f"{PODMAN_HELPERS / helper} not found: podman would run on CNI, where one container cannot resolve "
+                    f"another's service name: apt-get install netavark aardvark-dns (scripts/setup-tools does)")
     if os.geteuid() != 0:
         return "rootful podman needs root (the compose test runs as root, as CI does)"
     return None
+
+
+def network_backend_problem(backend: str) -> str | None:
+    """Why podman's network backend (``podman info``'s Host.NetworkBackend) cannot run the stack, or None."""
+    if backend.strip() == "netavark":
+        return None
+    return (f"podman's network backend is {backend.strip() or 'unknown'!r}, not netavark: service names would not "
+            f"resolve between containers (Prometheus -> alertmanager); apt-get install netavark aardvark-dns")
 
 
 def inputs_hash(paths: Iterable[Path], extra: str = "") -> str:
@@ -126,7 +146,15 @@ class Podman:
 
     # -- the API service and what it changes on the host ------------------------------------------------------
 
+    def check_network_backend(self) -> None:
+        """Fail before any container starts when names would not resolve between them (see the module's text)."""
+        info = self("info", "--format", "{{.Host.NetworkBackend}}", check=False, timeout=120)
+        problem = network_backend_problem(info.stdout) if info.returncode == 0 else f"podman info failed: {info.stderr}"
+        if problem:
+            raise RuntimeError(problem)
+
     def start_service(self) -> None:
+        self.check_network_backend()
         self._ip_forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
         self._chains_before = netavark_chains()
         self.socket.unlink(missing_ok=True)
