@@ -56,8 +56,10 @@ def create_app(
     router = gateway.router
     maintenance = build_maintenance(settings, registry=registry, replicas=replicas, data_path=DataPathView(
         in_flight=router.in_flight, loads=router.loads, queue_length=lambda: gateway.admission.queue_length,
-        requests_total=counter_total(gateway.metrics.requests), relayed_at=router.relayed_at),
-        stage=fleet.stage if isinstance(fleet, Reconfigurable) else None)
+        requests_total=counter_total(gateway.metrics.requests), relayed_at=router.relayed_at,
+        is_ejected=router.ejector.is_ejected),
+        stage=fleet.stage if isinstance(fleet, Reconfigurable) else None,
+        unstage=fleet.unstage if isinstance(fleet, Reconfigurable) else None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

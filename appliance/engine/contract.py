@@ -97,3 +97,8 @@ class Reconfigurable(Protocol):
         """Build every replica's engine command and environment from ``settings``; each replica uses them from
         its next start on (the rolling restart that follows, or a crash restart), never mid-life."""
         ...
+
+    def unstage(self) -> None:
+        """Undo the last ``stage`` (a reload whose roll stopped): a replica not yet started on it keeps its spec; one
+        that started on it goes back to the spec it had before, from its next start on."""
+        ...

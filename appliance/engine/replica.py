@@ -92,6 +92,7 @@ class SupervisedReplica:
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self._staged: ReplicaSpec | None = None
+        self._before_stage: ReplicaSpec | None = None  # the spec in use when the last stage() came
         self._pump: EngineLogPump | None = None
 
     @property
@@ -151,6 +152,16 @@ class SupervisedReplica:
         if spec.port != self.spec.port or spec.index != self.spec.index:
             raise ValueError(f"{self.name}: a staged spec must keep index and port")
         self._staged = spec
+        self._before_stage = self.spec
+
+    def unstage(self) -> None:
+        """Undo the last ``stage``: drop the staged spec if no start used it yet; if one did, start on the spec
+        from before it next time (a crash restart must not bring back settings a reload gave up on)."""
+        if self._staged is not None:
+            self._staged = None
+        elif self._before_stage is not None and self.spec is not self._before_stage:
+            self._staged = self._before_stage
+        self._before_stage = None
 
     @property
     def staged_spec(self) -> ReplicaSpec | None:

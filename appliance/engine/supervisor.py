@@ -99,5 +99,10 @@ class Supervisor:
         for replica, spec in zip(self.replicas, specs, strict=True):
             replica.stage(spec)
 
+    def unstage(self) -> None:
+        """``Reconfigurable``: undo the last ``stage`` on every replica."""
+        for replica in self.replicas:
+            replica.unstage()
+
     def ready(self) -> list[SupervisedReplica]:
         return [r for r in self.replicas if r.status.state is ReplicaState.READY]

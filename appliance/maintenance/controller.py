@@ -2,11 +2,13 @@
 
 It serialises them (one rolling restart at a time, never two restarts of one replica, restarts asked for by
 alerts one at a time), and it is the one place that keeps routable capacity: no drain or restart, whoever asks,
-may leave fewer than ``min_ready_replicas`` replicas routable (capped at replicas - 1, so that a single-replica
-appliance can still be restarted: its requests wait in the queue meanwhile). Alerts can be forged by anyone who
-reaches Alertmanager, so this guard sits here, under every path, not in the webhook. It records each action the
-same way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown
-by /admin/status.
+may leave fewer than ``min_ready_replicas`` replicas serving (capped at replicas - 1, so that a single-replica
+appliance can still be restarted: its requests wait in the queue meanwhile), and an alert never takes the last
+one. Serving means what the router would use: routable and not ejected (a router in panic sends everything to
+an ejected replica once the others are gone, which is no capacity). Alerts can be forged by anyone who reaches
+Alertmanager, so these guards sit here, under every path, not in the webhook. It records each action the same
+way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown by
+/admin/status.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import aiohttp
 
 from appliance.engine.contract import Replica
 from appliance.maintenance.annotations import Annotator
-from appliance.maintenance.errors import BelowMinReady, MaintenanceBusy, NotSupervised, ReplicaNotFound
+from appliance.maintenance.errors import (
+    BelowMinReady,
+    LastRoutableReplica,
+    MaintenanceBusy,
+    NotSupervised,
+    ReplicaNotFound,
+)
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import Outcome, RestartProcedure, RollingRestart
 
@@ -41,13 +49,16 @@ class ActionRecord:
 class MaintenanceController:
     def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
                  metrics: MaintenanceMetrics, annotator: Annotator | None = None,
-                 is_hung: Callable[[str], bool] = lambda _name: False) -> None:
+                 is_hung: Callable[[str], bool] = lambda _name: False,
+                 is_ejected: Callable[[str], bool] = lambda _name: False) -> None:
+        """``is_ejected(name)``: the router's own ejection of a replica (not softened by its panic mode)."""
         self._replicas = replicas
         self.procedure = procedure
         self.min_ready = min_ready
         self.metrics = metrics
         self.annotator = annotator or Annotator(None)
         self.is_hung = is_hung
+        self.is_ejected = is_ejected
         self.rolling: RollingRestart | None = None
         self.restarting: set[str] = set()
         self.last_action: ActionRecord | None = None
@@ -71,18 +82,32 @@ class MaintenanceController:
 
     # -- actions ----------------------------------------------------------------------------------------------
 
-    def start_rolling_restart(self, trigger: str, reason: str = "") -> asyncio.Task:
-        """Run a rolling restart in the background; MaintenanceBusy if maintenance is already under way."""
-        self._check_supervised(self._replicas())
+    def start_rolling_restart(self, trigger: str, reason: str = "",
+                              then: Callable[[Outcome], None] | None = None) -> asyncio.Task:
+        """Run a rolling restart in the background; MaintenanceBusy if maintenance is already under way,
+        LastRoutableReplica if an alert asks it of a single replica. ``then(outcome)`` runs when it ends, before
+        the controller takes the next action (a reload undoes its staging there, no other reload in between)."""
+        self.check_rolling_restart(trigger)
         if self.busy:
             raise MaintenanceBusy("a restart is already in progress")
-        self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=self.min_ready,
+        # Alerts never take the last serving replica: each restart then needs at least one other serving.
+        min_ready = max(1, self.min_ready) if trigger == "alert" else self.min_ready
+        self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=min_ready, is_ejected=self.is_ejected,
                                       on_replica=lambda r, o: self._replica_done(r, o, trigger))
-        return self._spawn(self._rolling(trigger, reason), "rolling-restart")
+        return self._spawn(self._rolling(trigger, reason, then), "rolling-restart")
+
+    def check_rolling_restart(self, trigger: str) -> None:
+        """What refuses a rolling restart whenever it would run (busy aside, which passes): NotSupervised, and
+        LastRoutableReplica for an alert on a single replica. The webhook asks before it schedules one."""
+        replicas = self._replicas()
+        self._check_supervised(replicas)
+        if trigger == "alert" and len(replicas) < 2:
+            raise LastRoutableReplica("rolling restart refused: the only replica is the last routable one, and "
+                                      "alerts never take that (an operator can, through the admin API)")
 
     def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task:
         """Drain, restart, warm and undrain one replica in the background (ReplicaNotFound, MaintenanceBusy,
-        NotSupervised when it cannot)."""
+        NotSupervised, BelowMinReady, LastRoutableReplica when it cannot)."""
         replica = self.replica(name)
         self._check_supervised([replica])
         if self.rolling is not None or name in self.restarting:
@@ -90,19 +115,24 @@ class MaintenanceController:
         if trigger == "alert" and self.restarting:
             busy = ", ".join(sorted(self.restarting))
             raise MaintenanceBusy(f"restarts asked for by alerts run one at a time; {busy} is being restarted")
-        self._check_capacity(replica, "restart")
+        self._check_capacity(replica, "restart", trigger)
         self.restarting.add(name)
         return self._spawn(self._restart(replica, trigger, reason), f"restart-{name}")
 
     def drain(self, name: str, trigger: str) -> Replica:
         replica = self.replica(name)
-        self._check_capacity(replica, "drain")
+        self._check_capacity(replica, "drain", trigger)
         replica.drain()
         self.record("drain", trigger, "ok", replica=name)
         return replica
 
     def undrain(self, name: str, trigger: str) -> Replica:
+        """MaintenanceBusy while maintenance restarts that replica: routed to before the restart, its requests
+        would be killed by it; the restart returns it to routing itself once it is warmed."""
         replica = self.replica(name)
+        if self.restarting_now(name):
+            raise MaintenanceBusy(f"{name} is being restarted by maintenance; it returns to routing by itself once "
+                                  "it is ready and warmed")
         replica.undrain()
         self.record("undrain", trigger, "ok", replica=name)
         return replica
@@ -120,10 +150,19 @@ class MaintenanceController:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.annotator.flush()
+        await self.annotator.close()
 
     def replicas(self) -> Sequence[Replica]:
         return self._replicas()
+
+    def restarting_now(self, name: str) -> bool:
+        """Maintenance is restarting ``name``: on its own or as the rolling restart's current replica."""
+        return name in self.restarting or (self.rolling is not None and self.rolling.current == name)
+
+    def serving(self, replica: Replica) -> bool:
+        """Capacity the router would use: routable, not ejected, not being restarted (its drain may not have run
+        yet)."""
+        return replica.routable and not self.is_ejected(replica.name) and replica.name not in self.restarting
 
     def replica(self, name: str) -> Replica:
         for replica in self._replicas():
@@ -133,17 +172,24 @@ class MaintenanceController:
 
     # -- internals --------------------------------------------------------------------------------------------
 
-    async def _rolling(self, trigger: str, reason: str) -> Outcome:
+    async def _rolling(self, trigger: str, reason: str, then: Callable[[Outcome], None] | None) -> Outcome:
         log.info("maintenance: rolling restart (%s) begins%s", trigger, f": {reason}" if reason else "")
         self.annotator.annotate(f"maintenance: rolling restart begins ({trigger})" + (f": {reason}" if reason
                                 else ""), ["maintenance", "rolling_restart", trigger, "begin"])
+        outcome = Outcome("aborted", "cancelled")  # what ``then`` hears if the appliance stops meanwhile
         try:
             outcome = await self.rolling.run()
         except Exception as exc:
             outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
             log.exception("rolling restart failed")
         finally:
-            self.rolling = None
+            try:
+                if then is not None:
+                    then(outcome)
+            except Exception:
+                log.exception("after the rolling restart")
+            finally:
+                self.rolling = None
         self.record("rolling_restart", trigger, outcome.result, detail=outcome.detail)
         return outcome
 
@@ -175,17 +221,20 @@ class MaintenanceController:
         """``min_ready_replicas``, capped at replicas - 1 (a single replica may still be restarted)."""
         return max(0, min(self.min_ready, replica_count - 1))
 
-    def _check_capacity(self, replica: Replica, action: str) -> None:
-        """BelowMinReady if taking ``replica`` out of routing leaves fewer than the minimum routable. Replicas
-        being restarted count as gone already: their drain may not have run yet."""
-        if not replica.routable or replica.name in self.restarting:
-            return  # it is not routable capacity now: acting on it takes none away
+    def _check_capacity(self, replica: Replica, action: str, trigger: str) -> None:
+        """BelowMinReady if taking ``replica`` out of routing leaves fewer than the minimum serving;
+        LastRoutableReplica if an alert would take the last one."""
+        if not self.serving(replica):
+            return  # it is not capacity now: acting on it takes none away
         replicas = list(self._replicas())
         needed = self.min_ready_for(len(replicas))
-        left = sum(1 for r in replicas if r is not replica and r.routable and r.name not in self.restarting)
+        left = sum(1 for r in replicas if r is not replica and self.serving(r))
+        if trigger == "alert" and left == 0:
+            raise LastRoutableReplica(f"{action} of {replica.name} refused: it is the last routable replica, and "
+                                      "alerts never take that (an operator can, through the admin API)")
         if left < needed:
             raise BelowMinReady(f"{action} of {replica.name} refused: it would leave {left} routable replica(s) "
-                                f"and maintenance.min_ready_replicas needs {needed}")
+                                f"(not ejected) and maintenance.min_ready_replicas needs {needed}")
 
     @staticmethod
     def _check_supervised(replicas: Sequence[Replica]) -> None:

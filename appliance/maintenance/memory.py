@@ -34,6 +34,9 @@ class MemoryWatch:
         self.growth_threshold = growth_threshold
         self.growth_lookback_seconds = growth_lookback_seconds
         self._history: dict[str, tuple[int, deque[tuple[float, int]]]] = {}
+        # The last check, kept for the alert webhook: an alert about memory acts only if these agree.
+        self.readings: Mapping[str, MemoryReading] | None = None  # None: no reading (yet, or it failed)
+        self.over: dict[str, str] = {}  # replica -> why it is over a threshold
 
     def check(self, now: float) -> dict[str, str]:
         """replica -> reason, for every replica over a threshold now."""
@@ -41,6 +44,7 @@ class MemoryWatch:
             readings = self._read()
         except Exception:  # a signal source must never stop the maintenance job
             log.exception("reading memory signals failed")
+            self.readings, self.over = None, {}
             return {}
         wanted: dict[str, str] = {}
         for name, reading in readings.items():
@@ -53,7 +57,8 @@ class MemoryWatch:
                 wanted[name] = f"resident memory grew {growth:.0%} (> {self.growth_threshold:.0%})"
         for gone in set(self._history) - set(readings):
             del self._history[gone]
-        return wanted
+        self.readings, self.over = readings, wanted
+        return dict(wanted)
 
     def _growth(self, name: str, reading: MemoryReading, now: float) -> float | None:
         if not reading.serving:  # starting or restarting: its memory is not yet what it serves with

@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector
 
 ACTIONS = ("drain", "undrain", "restart", "rolling_restart")
 TRIGGERS = ("admin", "schedule", "alert")
-RESULTS = ("ok", "failed", "aborted", "dry_run", "rate_limited", "skipped")
+RESULTS = ("ok", "failed", "aborted", "dry_run", "rate_limited", "skipped", "not_confirmed", "refused")
+ALERT_DECISIONS = ("none", "duplicate", "ignored")  # besides the whitelisted actions
 OTHER_ALERT = "other"  # every alert name off the whitelist: anyone who reaches Alertmanager can invent names
 HEARTBEAT_ALERT = "Watchdog"  # always firing: its arrival, by name, proves the alerting pipeline end to end
 
@@ -28,20 +29,25 @@ class MaintenanceMetrics:
         self.known_alerts = frozenset(known_alerts) | {HEARTBEAT_ALERT}
         self.actions = Counter(
             "appliance_maintenance_actions", "Maintenance actions by action, what triggered them and their result "
-            "(ok, failed, aborted, dry_run, rate_limited, skipped).", ["action", "trigger", "result"],
+            "(ok, failed, aborted, dry_run, rate_limited, skipped, not_confirmed, refused); the alert webhook "
+            "records the alerts of one payload once per action, target and result.", ["action", "trigger", "result"],
             registry=registry)
         self.alerts = Counter(
             "appliance_alert_webhook_alerts", "Alerts received on the Alertmanager webhook, by alert name "
             "(whitelisted names and Watchdog; every other one is 'other') and status, and what the webhook "
-            "decided (the whitelisted action, none, or duplicate).",
+            "decided (the whitelisted action, none, duplicate, or ignored: over the per-payload bound).",
             ["alertname", "status", "action"], registry=registry)
 
     def action(self, action: str, trigger: str, result: str) -> None:
         self.actions.labels(action, trigger, result).inc()
 
-    def alert(self, alertname: str, status: str, action: str) -> None:
-        """``status`` is firing|resolved and ``action`` the whitelist's or none|duplicate (validated upstream)."""
-        self.alerts.labels(alertname if alertname in self.known_alerts else OTHER_ALERT, status, action).inc()
+    def alert(self, alertname: str, status: str, action: str, count: int = 1) -> None:
+        """``status`` is firing|resolved and ``action`` the whitelist's or one of ALERT_DECISIONS (validated
+        upstream)."""
+        self.alerts.labels(self.alert_label(alertname), status, action).inc(count)
+
+    def alert_label(self, alertname: str) -> str:
+        return alertname if alertname in self.known_alerts else OTHER_ALERT
 
 
 class MaintenanceCollector(Collector):

@@ -8,6 +8,12 @@ maintenance ...), and ``engine.tensor_parallel_size`` (it changes which devices 
 restarted one at a time would overlap the ones not yet restarted). A reload that changes any of those is refused
 as a whole, with the keys listed, and nothing changes: restart the appliance for them.
 
+A reload whose rolling restart stops (a replica not back in time, too few routable replicas, the appliance
+stopping) is undone: it unstages what it staged, so no later crash restart or admin restart starts an engine on
+the settings the roll stopped on, and the running configuration it compares the next reload with is the previous
+one again. A replica the roll already moved keeps its engine until its next start, then starts on the previous
+settings.
+
 The configuration is re-read from the same file and explicit overrides as at start, with the environment of the
 running process. Values the start command filled in itself (``appliance up``: the demo model, the generated
 admin token) are kept as long as the file still leaves them as it did at start.
@@ -22,6 +28,7 @@ from typing import Any
 
 from appliance.maintenance.controller import MaintenanceController
 from appliance.maintenance.errors import MaintenanceBusy, MaintenanceError
+from appliance.maintenance.rolling import Outcome
 from appliance.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
@@ -72,17 +79,19 @@ def rollable(key: str) -> bool:
 
 class ConfigReloader:
     def __init__(self, settings: Settings, controller: MaintenanceController,
-                 stage: Callable[[Settings], None] | None) -> None:
-        """``stage``: the fleet's ``Reconfigurable.stage``; None when the appliance does not run its engines."""
+                 stage: Callable[[Settings], None] | None, unstage: Callable[[], None] | None = None) -> None:
+        """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods; None when the appliance does not run its
+        engines (a reload then is unavailable: it could not be undone)."""
         self.current = settings
         self._controller = controller
         self._stage = stage
+        self._unstage = unstage
         self._start_fills = self._fills_at_start(settings)
 
     def reload(self) -> ReloadResult:
         """Validate and start the roll; raises ReloadUnavailable, InvalidConfig, ReloadRefused, MaintenanceBusy."""
         source = self.current.source
-        if source is None or self._stage is None:
+        if source is None or self._stage is None or self._unstage is None:
             raise ReloadUnavailable("reload needs an appliance that runs its own engines and was started from a "
                                     "configuration (file and environment) it can read again")
         try:
@@ -99,12 +108,30 @@ class ConfigReloader:
                                 "Nothing changed.")
         if self._controller.busy:
             raise MaintenanceBusy("a restart is in progress; reload again when it is done")
+        previous = self.current
         self._stage(new)
-        self.current = self.current.model_copy(update={"engine": new.engine})
+        self.current = previous.model_copy(update={"engine": new.engine})
         reason = "reload: " + ", ".join(changed)
         log.info("maintenance: %s; rolling the replicas onto it", reason)
-        self._controller.start_rolling_restart("admin", reason)
+        try:
+            self._controller.start_rolling_restart("admin", reason,
+                                                   then=lambda outcome: self._roll_ended(outcome, previous))
+        except MaintenanceError:
+            self._undo(previous, "the rolling restart did not start")
+            raise
         return ReloadResult(changed, True)
+
+    def _roll_ended(self, outcome: Outcome, previous: Settings) -> None:
+        if outcome.result != "ok":
+            self._undo(previous, f"the rolling restart ended {outcome.result}: {outcome.detail}")
+
+    def _undo(self, previous: Settings, why: str) -> None:
+        """Unstage, and make the previous configuration the running one again."""
+        assert self._unstage is not None
+        self._unstage()
+        self.current = previous
+        log.warning("maintenance: reload stopped (%s); its engine settings are unstaged: replicas start on the "
+                    "previous ones", why)
 
     # -- values the start command set itself ------------------------------------------------------------------
 

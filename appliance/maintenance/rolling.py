@@ -7,8 +7,9 @@ Why each step:
   appliance, or one whose other replicas are drained, from failing requests during the restart.
 - The replica comes back drained (``hold_when_ready``) and takes traffic only after it answered a warm-up
   request: the first request after a start pays for lazy initialisation, and a client should not.
-- A rolling restart never leaves fewer than ``min_ready_replicas`` routable (capped at replicas - 1, so a single
-  replica can still be restarted): it waits for them up to ``min_ready_wait_seconds``, then skips.
+- A rolling restart never leaves fewer than ``min_ready_replicas`` routable and not ejected (capped at
+  replicas - 1, so a single replica can still be restarted): it waits for them up to ``min_ready_wait_seconds``,
+  then skips. An ejected replica gets no traffic, or all of it once the router panics: it is no capacity.
 - A replica that is not back within ``restart_ready_timeout_seconds`` aborts the rolling restart, so the
   replicas not yet restarted keep serving; it rejoins routing by itself if it becomes healthy later.
 """
@@ -108,11 +109,13 @@ class RollingRestart:
     """Every replica, one at a time, in order."""
 
     def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
-                 on_replica: Callable[[Replica, Outcome], None] = lambda _r, _o: None) -> None:
+                 on_replica: Callable[[Replica, Outcome], None] = lambda _r, _o: None,
+                 is_ejected: Callable[[str], bool] = lambda _name: False) -> None:
         self._replicas = replicas
         self.procedure = procedure
         self.min_ready = min_ready
         self._on_replica = on_replica
+        self._is_ejected = is_ejected
         self.current: str | None = None
 
     async def run(self) -> Outcome:
@@ -121,11 +124,11 @@ class RollingRestart:
         restarted: list[str] = []
         for replica in replicas:
             others = [r for r in replicas if r is not replica]
-            enough = await self.procedure.wait_until(lambda others=others: sum(r.routable for r in others) >= needed,
-                                                self.procedure.timeouts.min_ready_wait_seconds)
+            enough = await self.procedure.wait_until(lambda others=others: self._serving(others) >= needed,
+                                                     self.procedure.timeouts.min_ready_wait_seconds)
             if not enough:
-                return Outcome("skipped", f"fewer than {needed} other replica(s) routable; {replica.name} and the "
-                               "rest not restarted", tuple(restarted))
+                return Outcome("skipped", f"fewer than {needed} other replica(s) routable and not ejected; "
+                               f"{replica.name} and the rest not restarted", tuple(restarted))
             self.current = replica.name
             try:
                 outcome = await self.procedure.run(replica)
@@ -136,3 +139,6 @@ class RollingRestart:
                 return Outcome("aborted", outcome.detail, tuple(restarted))
             restarted.append(replica.name)
         return Outcome("ok", f"restarted {', '.join(restarted)}", tuple(restarted))
+
+    def _serving(self, replicas: Sequence[Replica]) -> int:
+        return sum(1 for r in replicas if r.routable and not self._is_ejected(r.name))

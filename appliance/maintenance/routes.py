@@ -57,15 +57,17 @@ async def reload(request: Request) -> JSONResponse:
 
 @router.post("/alerts")
 async def alerts(request: Request) -> dict:
-    """Alertmanager's webhook (payload version 4): whitelisted alerts trigger their runbook's action."""
+    """Alertmanager's webhook (payload version 4): whitelisted alerts trigger their runbook's action when the
+    appliance's own view agrees. ``ignored``: alerts over ``maintenance.alert_max_per_payload``, only counted."""
     raw = await request.body()
     try:
         payload = AlertmanagerPayload.model_validate(json_body.loads(raw))
     except ValueError as exc:  # json_body.InvalidJSON and ValidationError are ValueErrors
         raise APIError(400, f"not an Alertmanager webhook payload: {_first_error(exc)}",
                        code="invalid_alert_payload") from None
-    decisions = request.app.state.maintenance.alerts.handle(payload)
-    return {"received": len(payload.alerts), "decisions": [d.__dict__ for d in decisions]}
+    handled = request.app.state.maintenance.alerts.handle(payload)
+    return {"received": len(payload.alerts), "ignored": handled.ignored,
+            "decisions": [d.__dict__ for d in handled.decisions]}
 
 
 def _first_error(exc: Exception) -> str:

@@ -5,8 +5,9 @@ A rolling restart runs only when traffic is low, and then when
 - a restart is wanted (a replica's fragmentation or memory growth crossed its threshold, or a whitelisted alert
   asked for one): at the first low-traffic moment, window or not; or
 - the maintenance window is open and this window has not had its rolling restart yet.
-Outside the window and at peak nothing happens: a wanted restart waits. The decision itself (``check``) takes
-the time as an argument, so tests drive it with a controllable clock.
+Outside the window and at peak nothing happens: a wanted restart waits. Memory is read every round even with
+automatic restarts off: the alert webhook confirms memory alerts against the latest reading. The decision itself
+(``check``) takes the time as an argument, so tests drive it with a controllable clock.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class MaintenanceScheduler:
         now, tick = self._now(), self._monotonic()
         self.traffic.sample(tick)
         self.progress.check(tick)
-        if self.memory is not None and self.settings.enabled:
-            signals = self.memory.check(tick)
+        signals = self.memory.check(tick) if self.memory is not None else {}
+        if self.settings.enabled:
             recent = self._memory_restart_at is not None and \
                 tick - self._memory_restart_at < self.settings.memory_restart_min_interval_seconds
             for replica, reason in signals.items():
@@ -112,8 +113,8 @@ class MaintenanceScheduler:
         try:
             self.controller.start_rolling_restart(trigger, reason)
         except MaintenanceError as exc:  # e.g. external engines: nothing to restart
-            self.controller.record("rolling_restart", trigger, "skipped", detail=exc.message)
-            return "skipped: " + exc.message
+            self.controller.record("rolling_restart", trigger, exc.result, detail=exc.message)
+            return f"{exc.result}: {exc.message}"
         return f"rolling restart ({trigger}): {reason}"
 
     def next_window(self) -> datetime | None:

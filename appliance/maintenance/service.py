@@ -15,6 +15,7 @@ from appliance.collectors import engine_stats_dir
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
 from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.confirm import AlertConfirmation
 from appliance.maintenance.controller import MaintenanceController, http_warmer
 from appliance.maintenance.memory import MemoryWatch, process_memory_reader
 from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
@@ -55,14 +56,18 @@ class DataPathView:
     queue_length: Callable[[], int]  # requests waiting in the gateway
     requests_total: Callable[[], float]  # every request answered so far (a counter)
     relayed_at: Callable[[str], float | None] = lambda _name: None  # when bytes from a replica were last relayed
+    # the router's own ejection (not softened by its panic mode): an ejected replica is no capacity
+    is_ejected: Callable[[str], bool] = lambda _name: False
 
 
 def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replicas: Callable[[], Sequence[Replica]],
                       data_path: DataPathView,
                       warm: Warmer | None = None, annotator: Annotator | None = None,
                       memory: MemoryWatch | None = None,
-                      stage: Callable[[Settings], None] | None = None) -> Maintenance:
-    """``stage``: the fleet's ``Reconfigurable.stage`` when it can rebuild engine commands (``appliance reload``)."""
+                      stage: Callable[[Settings], None] | None = None,
+                      unstage: Callable[[], None] | None = None) -> Maintenance:
+    """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods when it can rebuild engine commands
+    (``appliance reload``)."""
     m = settings.maintenance
     metrics = MaintenanceMetrics(registry, known_alerts=m.alert_actions)
     timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
@@ -78,7 +83,8 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                                relayed_at=data_path.relayed_at)
     procedure = RestartProcedure(timeouts, warm, in_flight=data_path.in_flight)
     controller = MaintenanceController(replicas, procedure, min_ready=m.min_ready_replicas,
-                                       metrics=metrics, annotator=annotator, is_hung=progress.is_hung)
+                                       metrics=metrics, annotator=annotator, is_hung=progress.is_hung,
+                                       is_ejected=data_path.is_ejected)
     if memory is None and settings.collectors.enabled:
         memory = MemoryWatch(process_memory_reader(replicas, engine_stats_dir(settings.collectors, settings.state_dir),
                                                    max_age_seconds=settings.collectors.engine_stats_max_age_seconds),
@@ -86,13 +92,16 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                              growth_threshold=m.memory_growth_threshold,
                              growth_lookback_seconds=m.memory_growth_lookback_seconds)
     scheduler = MaintenanceScheduler(m, controller, traffic, progress, memory)
+    confirmation = AlertConfirmation(progress.is_hung, memory, fragmentation_ratio=m.alert_confirm_fragmentation_ratio)
     alerts = AlertActions(controller, metrics, whitelist=m.alert_actions, dry_run=m.alert_dry_run,
                           min_interval_seconds=m.alert_action_min_interval_seconds,
-                          want_rolling_restart=scheduler.want_rolling_restart, clock=time.monotonic)
+                          want_rolling_restart=scheduler.want_rolling_restart, confirmation=confirmation,
+                          restarts_per_hour=m.alert_restarts_per_hour, max_per_payload=m.alert_max_per_payload,
+                          clock=time.monotonic)
 
     def next_window() -> float | None:
         upcoming = scheduler.next_window()
         return upcoming.timestamp() if upcoming else None
 
     registry.register(MaintenanceCollector(progress.names, progress.is_hung, next_window))
-    return Maintenance(controller, scheduler, alerts, progress, ConfigReloader(settings, controller, stage))
+    return Maintenance(controller, scheduler, alerts, progress, ConfigReloader(settings, controller, stage, unstage))

@@ -83,6 +83,18 @@ class MaintenanceSettings(BaseModel):
     alert_action_min_interval_seconds: float = Field(
         600, ge=0, description="Alert webhook: the same action on the same target at most once per this interval."
     )
+    alert_restarts_per_hour: int = Field(
+        3, ge=0, description="Alert webhook: at most this many alert-driven restarts (one replica, or a rolling "
+        "restart) in any hour, all alerts and replicas together; 0: alerts never restart anything."
+    )
+    alert_confirm_fragmentation_ratio: float = Field(
+        0.3, gt=0, le=1, description="Alert webhook: an alert's rolling restart acts only while the appliance's own "
+        "reading shows a replica's fragmentation above this (or over fragmentation_threshold/memory growth)."
+    )
+    alert_max_per_payload: int = Field(
+        100, ge=1, description="Alert webhook: alerts looked at per notification (whitelisted first); the rest are "
+        "only counted (action=ignored)."
+    )
     grafana_url: str | None = Field(
         None, description="Grafana base URL for annotations of maintenance actions; unset: no annotations."
     )

@@ -294,3 +294,27 @@ def test_a_broken_log_destination_does_not_stop_the_replica(tmp_path, monkeypatc
 
     run(scenario)
     assert "fake engine line 001999 " in (tmp_path / "logs" / "engine-0.log").read_text()
+
+
+def test_unstage_undoes_a_staged_spec_whether_or_not_the_replica_started_on_it(tmp_path):
+    """A reload whose roll stops: replicas not reached keep their own spec, the one that started on the new spec
+    goes back to its previous one at its next start (a crash restart must not bring the bad settings back)."""
+    port = free_port()
+    original = spec(tmp_path, engine(port), port)
+    replica = SupervisedReplica(original)
+
+    async def scenario(session):
+        replica.start(session)
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        replica.stage(spec(tmp_path, engine(port, "--tag=reloaded"), port))
+        replica.unstage()
+        assert replica.staged_spec is None and replica.spec is original  # not started on it: simply dropped
+        replica.stage(spec(tmp_path, engine(port, "--tag=reloaded"), port))
+        await replica.restart()
+        await until(lambda: replica.status.state is ReplicaState.READY)
+        assert "--tag=reloaded" in replica.spec.command
+        replica.unstage()
+        assert replica.staged_spec is original  # started on it: the previous spec from the next start on
+        await replica.stop()
+
+    run(scenario)

@@ -117,3 +117,24 @@ def test_status_shows_the_kv_cache_dtype(make_app):
     status = client.get("/admin/status", headers=AUTH).json()
     assert status["kv_cache_dtype"] == "fp8"
     assert "kv-cache fp8" in format_status(status).splitlines()[0]
+
+
+def test_undrain_is_refused_while_maintenance_restarts_that_replica(make_app):
+    """Undrained mid-restart, it would take requests the restart then kills; it returns by itself when warmed."""
+    client, replicas, _registry = make_app()
+    replicas[0].restart_seconds = 0.5
+    assert client.post("/admin/replicas/replica-0/restart", headers=AUTH).status_code == 202
+    while replicas[0].routable:
+        time.sleep(0.01)
+    refused = client.post("/admin/replicas/replica-0/undrain", headers=AUTH)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "maintenance_in_progress"
+    wait_idle(client)
+    assert client.post("/admin/rolling-restart", headers=AUTH).status_code == 202
+    while replicas[0].routable:
+        time.sleep(0.01)
+    assert client.post("/admin/replicas/replica-0/undrain", headers=AUTH).status_code == 409
+    assert client.post("/admin/replicas/replica-1/undrain", headers=AUTH).status_code == 200  # not being restarted
+    wait_idle(client)
+    assert [r.status.restarts for r in replicas] == [2, 1] and all(r.routable for r in replicas)
+    undrains = [e for e in replicas[0].events if e == ("undrain", "replica-0")]
+    assert len(undrains) == 2  # only maintenance's own, after each warm-up

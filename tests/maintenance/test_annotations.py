@@ -16,11 +16,12 @@ class Grafana:
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": await request.json()})
+        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": await request.json(),
+                              "peer": request.transport.get_extra_info("peername")})
         return web.json_response({"id": 1, "message": "Annotation added"}, status=self.status)
 
 
-def annotate(grafana: Grafana | None, make) -> Annotator:
+def annotate(grafana: Grafana | None, make, count: int = 1) -> Annotator:
     async def go() -> Annotator:
         runner = None
         if grafana is not None:
@@ -33,8 +34,9 @@ def annotate(grafana: Grafana | None, make) -> Annotator:
             grafana.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/"
         annotator = make(grafana.url if grafana else None)
         try:
-            annotator.annotate("maintenance: restart replica-0 (admin): ok", ["maintenance", "restart"])
-            await annotator.flush()
+            for _ in range(count):
+                annotator.annotate("maintenance: restart replica-0 (admin): ok", ["maintenance", "restart"])
+            await annotator.close()
         finally:
             if runner is not None:
                 await runner.cleanup()
@@ -71,3 +73,18 @@ def test_an_unreachable_grafana_is_counted_not_raised():
 def test_no_url_no_annotations():
     annotator = annotate(None, lambda _url: Annotator(None))
     assert not annotator.enabled and annotator.failures == 0
+
+
+def test_annotations_share_one_http_client():
+    """One connection for a burst: no new HTTP client (and TCP connection) per annotation."""
+    grafana = Grafana()
+    annotate(grafana, lambda url: Annotator(url), count=5)
+    assert len(grafana.requests) == 5
+    assert len({r["peer"] for r in grafana.requests}) == 1
+
+
+def test_a_burst_is_bounded_and_what_is_dropped_is_counted(caplog):
+    grafana = Grafana()
+    annotator = annotate(grafana, lambda url: Annotator(url, max_pending=4), count=50)
+    assert len(grafana.requests) == 4 and annotator.dropped == 46
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) <= 2

@@ -2,6 +2,7 @@
 at a time; the alert rate limit is keyed on the replica the alert resolves to, not on the alert's labels."""
 
 from tests.maintenance.conftest import AUTH
+from tests.maintenance.support import judge_hung
 from tests.maintenance.test_webhook import actions, alert, payload, wait_idle
 
 
@@ -9,10 +10,11 @@ def restarts(replicas) -> list[tuple]:
     return [e for e in replicas[0].events if e[0] == "restart"]
 
 
-def test_forged_hung_alerts_for_every_replica_never_leave_zero_routable(make_app):
+def test_hung_alerts_for_every_replica_never_leave_zero_routable(make_app):
     client, replicas, registry = make_app()
     for replica in replicas:
         replica.restart_seconds = 0.3
+    judge_hung(client, "replica-0", "replica-1")  # even when the appliance's own view agrees with every alert
     forged = payload(alert("ApplianceReplicaHung", replica="replica-0", fingerprint="a"),
                      alert("ApplianceReplicaHung", replica="replica-1", fingerprint="b"))
     decisions = client.post("/admin/alerts", json=forged, headers=AUTH).json()["decisions"]
@@ -27,6 +29,7 @@ def test_alert_restarts_are_serialized_even_with_capacity_to_spare(stubs, make_a
     client, replicas, _registry = make_app(replica_count=2, maintenance={"min_ready_replicas": 0})
     for replica in replicas:
         replica.restart_seconds = 0.3
+    judge_hung(client, "replica-0", "replica-1")
     forged = payload(alert("ApplianceReplicaHung", replica="replica-0", fingerprint="a"),
                      alert("ApplianceReplicaHung", replica="replica-1", fingerprint="b"))
     decisions = client.post("/admin/alerts", json=forged, headers=AUTH).json()["decisions"]
@@ -73,6 +76,7 @@ def test_single_replica_keeps_its_documented_planned_restart(make_app):
 
 def test_rate_limit_cannot_be_bypassed_by_changing_labels(make_app):
     client, replicas, registry = make_app(maintenance={"alert_action_min_interval_seconds": 3600})
+    judge_hung(client, "replica-0")
     client.post("/admin/alerts", json=payload(alert("ApplianceReplicaHung")), headers=AUTH)
     wait_idle(client)
     relabelled = alert("ApplianceReplicaHung", fingerprint="forged-2", starts="2026-12-02T04:00:00Z")
@@ -82,3 +86,18 @@ def test_rate_limit_cannot_be_bypassed_by_changing_labels(make_app):
     wait_idle(client)
     assert [r.status.restarts for r in replicas] == [1, 0]
     assert actions(registry, "restart", "rate_limited") == 1
+
+
+def test_an_ejected_replica_is_not_capacity(make_app):
+    """The router would send nothing to an ejected replica (and everything, in panic, once the other leaves)."""
+    client, replicas, _registry = make_app(maintenance={"min_ready_wait_seconds": 0.2})
+    client.app.state.router.eject("replica-1", "5 consecutive failures")
+    refused = client.post("/admin/replicas/replica-0/restart", headers=AUTH)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "min_ready_replicas"
+    assert client.post("/admin/replicas/replica-0/drain", headers=AUTH).status_code == 409
+    assert client.post("/admin/rolling-restart", headers=AUTH).status_code == 202
+    status = wait_idle(client)
+    assert status["maintenance"]["last_action"]["result"] == "skipped"
+    assert [r.status.restarts for r in replicas] == [0, 0] and replicas[0].routable
+    # acting on the ejected replica itself takes no routable capacity away
+    assert client.post("/admin/replicas/replica-1/drain", headers=AUTH).status_code == 200

@@ -19,15 +19,16 @@ from tests.maintenance.support import fleet
 from tests.maintenance.test_webhook import actions, wait_idle
 
 BASE = {"served_model_name": "demo", "replicas": 2, "admin_token": "t0ken", "collectors": {"enabled": False},
-        "engine": {"max_num_seqs": 16}}
+        "engine": {"max_num_seqs": 16}, "maintenance": {"restart_ready_timeout_seconds": 1}}
 
 
 class StagingFleet:
-    """The restartable doubles as a Reconfigurable fleet: records what each reload staged."""
+    """The restartable doubles as a Reconfigurable fleet: records what each reload staged and unstaged."""
 
     def __init__(self, replicas) -> None:
         self.replicas = replicas
         self.staged: list[Settings] = []
+        self.unstaged = 0
 
     async def start(self) -> None: ...
 
@@ -35,6 +36,9 @@ class StagingFleet:
 
     def stage(self, settings: Settings) -> None:
         self.staged.append(settings)
+
+    def unstage(self) -> None:
+        self.unstaged += 1
 
 
 @pytest.fixture
@@ -77,6 +81,25 @@ def test_engine_changes_roll_one_replica_at_a_time(reloadable):
     assert again.status_code == 200 and again.json()["changed"] == []
     wait_idle(client)
     assert [r.status.restarts for r in stager.replicas] == [1, 1]
+
+
+def test_a_reload_whose_roll_stops_unstages_what_it_staged(reloadable):
+    """Otherwise the bad settings the roll stopped on wait on every replica for its next crash or admin restart."""
+    client, config, stager, registry = reloadable
+    stager.replicas[0].comes_back = False  # the new extra_args keep the engine from starting
+    edit(config, engine__extra_args=["--bad-flag"])
+    assert client.post("/admin/reload", headers=AUTH).status_code == 202
+    wait_idle(client)
+    assert actions(registry, "rolling_restart", "aborted", trigger="admin") == 1
+    assert len(stager.staged) == 1 and stager.unstaged == 1
+    assert [r.status.restarts for r in stager.replicas] == [1, 0]
+    # the running configuration is the previous one again: the same file is a change still to roll, not "nothing"
+    assert client.app.state.maintenance.reloader.current.engine.extra_args == []
+    stager.replicas[0].comes_back = True
+    again = client.post("/admin/reload", headers=AUTH)
+    assert again.status_code == 202 and again.json()["changed"] == ["engine.extra_args"]
+    wait_idle(client)
+    assert stager.unstaged == 1 and actions(registry, "rolling_restart", "ok", trigger="admin") == 1
 
 
 @pytest.mark.parametrize(("changes", "keys"), [

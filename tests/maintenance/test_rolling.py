@@ -2,10 +2,12 @@
 
 import asyncio
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import maintenance_api_error
 from appliance.maintenance.controller import MaintenanceController, http_warmer
+from appliance.maintenance.errors import LastRoutableReplica
 from appliance.maintenance.metrics import MaintenanceMetrics
 from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, RollingRestart
 from tests.maintenance.support import fleet
@@ -118,3 +120,18 @@ def test_a_hung_replica_is_restarted_without_waiting_out_the_drain():
 
     assert asyncio.run(scenario()).result == "ok"
     assert replicas[0].status.restarts == 1
+
+
+def test_an_alert_never_rolls_a_single_replica_but_an_operator_can():
+    replicas = fleet(["http://a"])
+    controller = MaintenanceController(lambda: replicas, RestartProcedure(FAST, Warmer()), min_ready=1,
+                                       metrics=MaintenanceMetrics(CollectorRegistry()))
+
+    async def scenario():
+        with pytest.raises(LastRoutableReplica) as refused:
+            controller.start_rolling_restart("alert")
+        return refused.value, await controller.start_rolling_restart("admin")
+
+    refused, outcome = asyncio.run(scenario())
+    assert refused.result == "refused" and "last routable" in refused.message
+    assert outcome.result == "ok" and replicas[0].status.restarts == 1
