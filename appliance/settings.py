@@ -197,6 +197,11 @@ class AdmissionSettings(BaseModel):
     target_ttft_fraction: float = Field(
         0.8, gt=0, le=1, description="Per-request TTFT target as a fraction of slo_ttft_p95_seconds (headroom)."
     )
+    slot_drift_seconds: float = Field(
+        30.0, gt=0, description="How long the gateway may count more requests in flight at a replica than its "
+        "engine reports running + waiting before that is slot drift (metric appliance_slot_drift, alert "
+        "ApplianceSlotDrift; a replica full only by a drifted count makes /health/ready 503)."
+    )
 
 
 class DiscoverySettings(BaseModel):

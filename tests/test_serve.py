@@ -10,6 +10,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.gateway.router import Outcome
 from appliance.serve import DrainingServer, in_flight
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
@@ -22,10 +23,11 @@ def test_queued_requests_count_as_pending_for_the_drain():
     admission = app.state.admission
 
     async def scenario() -> int:
-        await admission.acquire()
+        held = await admission.acquire()
         waiter = asyncio.ensure_future(admission.acquire())
         await asyncio.sleep(0.01)
         pending = in_flight(app)
+        held.release(Outcome.SUCCESS)
         waiter.cancel()
         return pending
 

@@ -6,6 +6,9 @@ factor when one misses it or fails (multiplicative decrease, at most once per li
 slow burst is one cut). Requests beyond the fleet's limits wait in a FIFO queue; when the queue is full, or a
 request waited longer than its queue timeout, the gateway answers 429 with Retry-After instead of letting every
 request miss its SLA.
+
+What admission hands out is a ``Lease`` (``appliance.gateway.slots``): the request's one hold on its replica's
+slot, given back exactly once, and audited on every engine poll (``SlotAudit``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from appliance.engine.contract import Replica
 from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.slots import Lease, LeaseLedger, SlotAudit
 from appliance.http.errors import APIError
 
 
@@ -74,8 +78,8 @@ class ConcurrencyLimits:
 
 @dataclass(frozen=True, eq=False)
 class _Waiter:
-    """A queued request: what it waits on, the replicas it must not get (a retry leaves the ones that failed it)
-    and its prompt, for prefix affinity when capacity frees up."""
+    """A queued request: what it waits on (a future that gets its Lease), the replicas it must not get (a retry
+    leaves the ones that failed it) and its prompt, for prefix affinity when capacity frees up."""
 
     future: asyncio.Future
     exclude: frozenset[str]
@@ -86,23 +90,26 @@ class Admission:
     """Hands out replicas under their limits; queues the rest, bounded in length and in time."""
 
     def __init__(self, router: Router, limits: ConcurrencyLimits, *, max_queue: int,
-                 queue_timeout_seconds: float) -> None:
+                 queue_timeout_seconds: float, drift_seconds: float = 30.0) -> None:
         self.router = router
         self.limits = limits
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
         self._waiters: deque[_Waiter] = deque()
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
+        self.ledger = LeaseLedger()
+        self.audit = SlotAudit(router, self.ledger, drift_seconds=drift_seconds)
 
     @property
     def queue_length(self) -> int:
         return sum(1 for entry in self._waiters if not entry.future.done())
 
     async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None
-                      ) -> Replica:
-        replica = self.router.try_acquire(exclude, request)
-        if replica is not None:
-            return replica
+                      ) -> Lease:
+        """A lease on the best replica with room, waiting in the queue for one if need be."""
+        lease = self.try_lease(exclude, request)
+        if lease is not None:
+            return lease
         if not self.router.any_eligible(exclude) and not self.router.capacity_expected():
             raise APIError(503, "no ready replica; retry shortly", code="no_ready_replica",
                            headers={"Retry-After": "5"})
@@ -112,26 +119,45 @@ class Admission:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(_Waiter(waiter, exclude, request))
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_seconds)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that arrives as the
+            # waiter is handed a lease, so a client that left kept going with a slot (one way slots leaked).
+            async with asyncio.timeout(self.queue_timeout_seconds):
+                return await asyncio.shield(waiter)
         except TimeoutError:
-            if waiter.done() and not waiter.cancelled():  # handed a replica at the last moment: give it back
-                self.release(waiter.result(), Outcome.ABORTED)
-            waiter.cancel()
+            self._abandon(waiter)
             self.rejected["queue_timeout"] += 1
             raise self._overloaded(f"waited {self.queue_timeout_seconds:.0f}s in the gateway queue") from None
         except asyncio.CancelledError:  # the client went away while queued
-            if waiter.done() and not waiter.cancelled():
-                self.release(waiter.result(), Outcome.ABORTED)
-            waiter.cancel()
+            self._abandon(waiter)
             raise
+
+    def _abandon(self, waiter: asyncio.Future) -> None:
+        """The waiter leaves the queue; a lease handed to it at the last moment goes back."""
+        if waiter.done() and not waiter.cancelled():
+            waiter.result().release(Outcome.ABORTED)
+        waiter.cancel()
 
     def limit_of(self, name: str) -> int:
         return self.limits.limit_of(name)
 
-    def release(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+    def try_lease(self, exclude: frozenset[str], request: RoutingRequest | None) -> Lease | None:
+        replica = self.router.try_acquire(exclude, request)
+        if replica is None:
+            return None
+        self.ledger.taken(replica)
+        return Lease(replica, self._given_back, self.ledger.on_reclaimed)
+
+    def _given_back(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
+        """A lease was released (once): the slot returns, the replica is judged, the queue moves."""
+        self.ledger.given_back(replica)
         self.router.release(replica, outcome, ttft_seconds)
         if outcome in (Outcome.SUCCESS, Outcome.FAILURE):
             self.limits.on_sample(replica.name, ttft_seconds, failed=outcome is Outcome.FAILURE)
+        self.dispatch()
+
+    def on_poll(self) -> None:
+        """After each engine poll: audit the slots against the leases and the engines, then move the queue."""
+        self.audit.check()
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -141,13 +167,13 @@ class Admission:
             if entry.future.done():
                 self._waiters.remove(entry)
                 continue
-            replica = self.router.try_acquire(entry.exclude, entry.request)
-            if replica is None:
+            lease = self.try_lease(entry.exclude, entry.request)
+            if lease is None:
                 if not entry.exclude:
                     return  # nothing free for anyone
                 continue
             self._waiters.remove(entry)
-            entry.future.set_result(replica)
+            entry.future.set_result(lease)
 
     def _overloaded(self, why: str) -> APIError:
         retry_after = max(1, math.ceil(self.queue_timeout_seconds / 2))

@@ -54,7 +54,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     limits = ConcurrencyLimits(_limit_factory(settings))
     router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
     admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
-                          else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds)
+                          else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds,
+                          drift_seconds=settings.admission.slot_drift_seconds)
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
     registry.register(FleetCollector(router, admission))
     tracer_provider = build_tracer_provider(settings, span_exporter)
@@ -63,7 +64,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                         idle_timeout_seconds=settings.upstream_idle_timeout_seconds,
                         tracing=_records_traces(settings, span_exporter))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
-                              on_poll=admission.dispatch)
+                              on_poll=admission.on_poll)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.engine.contract import ReplicaState
+from appliance.engine.contract import Replica, ReplicaState
 from appliance.gateway.admission import Admission
 from appliance.gateway.router import Router
 
@@ -54,8 +54,32 @@ class FleetCollector(Collector):
                                 value=self._router.in_flight())
         yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
                                 value=self._admission.queue_length)
+        yield from self._slot_audit(replicas)
         rejected = CounterMetricFamily("appliance_admission_rejections",
                                        "Requests answered 429 by admission control, by reason.", labels=["reason"])
         for reason, count in self._admission.rejected.items():
             rejected.add_metric([reason], count)
         yield rejected
+
+    def _slot_audit(self, replicas: list[Replica]) -> Iterable[Metric]:
+        """The slot invariant (appliance.gateway.slots): all 0 on a healthy gateway."""
+        audit, ledger = self._admission.audit, self._admission.ledger
+        surplus = GaugeMetricFamily(
+            "appliance_slot_surplus", "Requests the gateway counts in flight at a replica beyond what its engine "
+            "reported running + waiting at the last fresh reading.", labels=["replica"])
+        drift = GaugeMetricFamily(
+            "appliance_slot_drift", "1 while a replica's slot surplus has lasted admission.slot_drift_seconds.",
+            labels=["replica"])
+        reclaimed = CounterMetricFamily(
+            "appliance_slot_leases_reclaimed", "Slot leases dropped without being released and returned by the "
+            "garbage-collection backstop (a gateway bug if ever above 0).", labels=["replica"])
+        orphans = CounterMetricFamily(
+            "appliance_slot_orphans_returned", "Slots counted in flight with no lease holding them, returned by the "
+            "audit (a gateway bug if ever above 0).", labels=["replica"])
+        for replica in replicas:
+            state = audit.drift.get(replica.name)
+            surplus.add_metric([replica.name], state.surplus if state else 0)
+            drift.add_metric([replica.name], 1.0 if audit.drifted(replica.name) else 0.0)
+            reclaimed.add_metric([replica.name], ledger.reclaimed[replica.name])
+            orphans.add_metric([replica.name], audit.orphans_returned[replica.name])
+        yield from (surplus, drift, reclaimed, orphans)

@@ -7,6 +7,14 @@ answered 502/503 (it refused the work). Never after a timeout once connected (th
 the client gets a 504), never on a 504 answer (a timeout somewhere behind it, same reason), never once the
 response headers arrived, and never back to a replica that already failed this request. Once the first byte is
 out, a failure ends the stream with an error event instead.
+
+Ownership: the ``Exchange`` holds the request's slot lease and its upstream response until it hands both to the
+``RelayedStream`` that serves a stream; whatever the exchange still holds when ``forward`` ends (the client left,
+an error, a cancellation at any await, a response built but never returned) is settled there, in one place. The
+stream settles what it holds when it is served, including when its body was never iterated.
+
+Timeouts: a request that outlives ``request_timeout_seconds`` is the request's own length (a long max_tokens),
+not the replica's fault, so it does not count toward ejection; connect and idle-read timeouts do.
 """
 
 from __future__ import annotations
@@ -15,21 +23,22 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from appliance.engine.contract import Replica
 from appliance.gateway.admission import Admission
 from appliance.gateway.metrics import COUNTED, RequestMetrics
 from appliance.gateway.router import Outcome
 from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.slots import Lease
 from appliance.gateway.tracing import RequestTrace
 from appliance.http.errors import APIError, error_body
 
@@ -57,6 +66,15 @@ def never_reached_engine(exc: BaseException) -> bool:
                             ConnectionError))
 
 
+def failure_outcome(exc: BaseException) -> Outcome:
+    """How a failed upstream call judges the replica: the whole-request timeout measures the request (its
+    max_tokens), not the replica; connect and idle-read timeouts (aiohttp's ServerTimeoutError) and broken
+    connections do."""
+    if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ServerTimeoutError):
+        return Outcome.TIMED_OUT
+    return Outcome.FAILURE
+
+
 def upstream_failure(exc: BaseException) -> APIError:
     """The client's answer to a failure that is not retried."""
     if isinstance(exc, asyncio.TimeoutError):
@@ -80,6 +98,28 @@ class Exchange:
     tried: set[str] = field(default_factory=set)
     routing: RoutingRequest | None = None  # the prompt, for prefix affinity
     dispatched: float = 0.0  # monotonic: when a replica was assigned (after any gateway queueing)
+    lease: Lease | None = None  # the slot of the current attempt, until settled
+    upstream: aiohttp.ClientResponse | None = None  # the current attempt's response, until settled
+    handed_off: bool = False  # a RelayedStream owns the lease and upstream from here on
+    counted: bool = False  # the request's outcome is counted (once)
+
+    @property
+    def replica(self) -> Replica:
+        assert self.lease is not None, "no replica assigned"
+        return self.lease.replica
+
+    def settle(self, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+        """Give back what the current attempt holds: the upstream connection (kept for reuse only after a
+        complete answer; closing it makes vLLM abort the request) and the slot. Safe to call any number of times."""
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            if outcome is Outcome.SUCCESS or outcome is Outcome.CLIENT_ERROR:
+                upstream.release()
+            else:
+                upstream.close()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release(outcome, ttft_seconds)
 
 
 class Upstream:
@@ -135,6 +175,11 @@ class Upstream:
                             request=request, routing=None if prompt is None else RoutingRequest(prompt))
         try:
             response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
+            if isinstance(response, RelayedStream):
+                exchange.handed_off = True  # the stream serves the rest and settles it
+            else:
+                self._finish(exchange, response.status_code)
+            return response
         except ClientGone:
             self._finish(exchange, 499)
             return Response(status_code=499)  # nobody reads it; the status is for the gateway's own logs
@@ -144,16 +189,17 @@ class Upstream:
         except BaseException:
             self._finish(exchange, 499)  # cancelled: the client went away
             raise
-        if not isinstance(response, StreamingResponse):
-            self._finish(exchange, response.status_code)
-        return response
+        finally:
+            if not exchange.handed_off:  # whatever happened, nothing outlives the request unowned
+                exchange.settle(Outcome.ABORTED)
 
     async def _forward_with_retry(self, exchange: Exchange) -> Response:
         last_error = "no attempt"
         for _ in range(self.max_attempts):
-            replica = await self._admit(exchange)
+            exchange.lease = await self._admit(exchange)
+            replica = exchange.replica
             try:
-                return await self._send(replica, exchange)
+                return await self._send(exchange)
             except RetryableUpstreamError as exc:
                 exchange.tried.add(replica.name)
                 last_error = str(exc)
@@ -162,80 +208,84 @@ class Upstream:
                     break
         raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
 
-    async def _admit(self, exchange: Exchange) -> Replica:
+    async def _admit(self, exchange: Exchange) -> Lease:
         span = exchange.trace.child("gateway.queue_wait")
         queued_at = time.monotonic()
         try:
-            replica = await self.admission.acquire(frozenset(exchange.tried), exchange.routing)
+            lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing)
             exchange.dispatched = time.monotonic()
         finally:
             self.metrics.queue_wait.observe(time.monotonic() - queued_at)
             span.end()
-        exchange.trace.root.set_attribute("appliance.replica", replica.name)
+        exchange.trace.root.set_attribute("appliance.replica", lease.replica.name)
         if exchange.routing is not None and exchange.routing.decision is not None:
             exchange.trace.root.set_attribute("appliance.routing.score", exchange.routing.decision.score)
             exchange.trace.root.set_attribute("appliance.routing.decided_by", exchange.routing.decision.decided_by)
-        return replica
+        return lease
 
-    async def _send(self, replica: Replica, exchange: Exchange) -> Response:
+    async def _send(self, exchange: Exchange) -> Response:
         assert self._session is not None, "Upstream.open() not called"
+        replica = exchange.replica
         span = exchange.trace.child("gateway.upstream", trace.SpanKind.CLIENT, **{"appliance.replica": replica.name})
         headers = exchange.trace.propagate(span, dict(exchange.headers))
         try:
-            upstream = await self._session.post(replica.url + exchange.path, data=exchange.body, headers=headers,
-                                                timeout=self._stream_timeout if exchange.stream else self._timeout)
+            exchange.upstream = await self._session.post(
+                replica.url + exchange.path, data=exchange.body, headers=headers,
+                timeout=self._stream_timeout if exchange.stream else self._timeout)
         except UPSTREAM_ERRORS as exc:
             span.end()
-            self.admission.release(replica, Outcome.FAILURE)
+            exchange.settle(failure_outcome(exc))
             if never_reached_engine(exc):
                 raise RetryableUpstreamError(type(exc).__name__) from exc
             raise upstream_failure(exc) from exc
         except BaseException:
             span.end()
-            self.admission.release(replica, Outcome.ABORTED)
-            raise
+            raise  # forward() settles the attempt
+        upstream = exchange.upstream
         if upstream.status in RETRYABLE_STATUS:
-            upstream.release()
             span.end()
-            self.admission.release(replica, Outcome.FAILURE)
+            exchange.settle(Outcome.FAILURE)
             raise RetryableUpstreamError(f"HTTP {upstream.status}")
         if exchange.stream and upstream.status == 200:
-            return StreamingResponse(
-                self._relay(upstream, replica, exchange, span),
+            return RelayedStream(
+                self._relay(exchange, span), exchange, on_unserved=self._unserved,
                 status_code=200,
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-appliance-replica": replica.name},
             )
-        return await self._read_whole(upstream, replica, exchange, span)
+        return await self._read_whole(exchange, span)
 
-    async def _read_whole(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
-                          span: trace.Span) -> Response:
-        outcome = Outcome.ABORTED
+    def _unserved(self, exchange: Exchange) -> None:
+        """A stream response that ended before its relay could settle (never iterated: the client left between
+        the upstream's headers and the first byte)."""
+        exchange.settle(Outcome.ABORTED)
+        self._finish(exchange, 499)
+
+    async def _read_whole(self, exchange: Exchange, span: trace.Span) -> Response:
+        upstream, replica = exchange.upstream, exchange.replica
+        assert upstream is not None
         try:
             content = await upstream.read()
-            outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
-            if upstream.status >= 500:
-                outcome = Outcome.FAILURE
         except UPSTREAM_ERRORS as exc:  # failed mid-body: the engine did the work, so it is not sent again
-            outcome = Outcome.FAILURE
+            exchange.settle(failure_outcome(exc))
             raise upstream_failure(exc) from exc
         finally:
-            if outcome is Outcome.ABORTED:
-                upstream.close()  # cancelled because the client left: closing the connection aborts the engine
-            else:
-                upstream.release()
-            span.end()
-            self.admission.release(replica, outcome)
+            span.end()  # a cancellation (the client left) is settled by forward(): the engine request is aborted
+        outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
+        if upstream.status >= 500:
+            outcome = Outcome.FAILURE
+        exchange.settle(outcome)
         if outcome is Outcome.SUCCESS:
             self.metrics.observe_usage(_usage(content))
         return Response(content=content, status_code=upstream.status,
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers={"x-appliance-replica": replica.name})
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, replica: Replica, exchange: Exchange,
-                     span: trace.Span) -> AsyncIterator[bytes]:
+    async def _relay(self, exchange: Exchange, span: trace.Span) -> AsyncIterator[bytes]:
         """Yield the engine's SSE bytes as they arrive; a client disconnect closes the upstream connection,
         which makes vLLM abort the request."""
+        upstream, replica = exchange.upstream, exchange.replica
+        assert upstream is not None
         outcome, status = Outcome.ABORTED, 499
         first = last = None
         chunks = 0
@@ -266,22 +316,18 @@ class Upstream:
                 yield f"data: {json.dumps(error_body(503, message, code='shutting_down'))}\n\n".encode()
                 return
             error = upstream_failure(exc)
-            outcome, status = Outcome.FAILURE, error.status
+            outcome, status = failure_outcome(exc), error.status
             log.warning("%s failed mid-stream: %s", replica.name, type(exc).__name__)
             message = f"upstream replica failed mid-stream: {error.message}"
             yield f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
         finally:
             self._streams.discard(upstream)
             self._cut.discard(upstream)
-            if outcome is Outcome.SUCCESS:
-                upstream.release()
-            else:
-                upstream.close()
             ttft = None if first is None else first - exchange.arrived
             # The replica is judged on its own time to first token: gateway queueing is admission's doing, and
             # feeding it back would cut the limit because of the queue, queue more, and cut again.
             replica_ttft = None if first is None else first - exchange.dispatched
-            self.admission.release(replica, outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
+            exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
             stream_span.end()
             self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
             self._finish(exchange, status)
@@ -300,11 +346,36 @@ class Upstream:
             self.metrics.tpot.labels(exchange.route).observe((last - first) / (tokens - 1))
 
     def _finish(self, exchange: Exchange, status: int) -> None:
+        if exchange.counted:
+            return
+        exchange.counted = True
         exchange.request.scope[COUNTED] = True  # the error handlers must not count it again
         self.metrics.requests.labels(exchange.route, str(status)).inc()
         if status < 400:
             self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)
         exchange.trace.finish(status)
+
+
+class RelayedStream(StreamingResponse):
+    """A streamed answer that owns its exchange's lease and upstream connection once ``forward`` hands it over, and
+    settles them when it has been served, however that ended: the relay settles them itself when it ran; a body
+    that was never iterated (the client left before the first byte) or a relay left suspended at a ``yield``
+    (closed here, so its own cleanup runs now, not whenever the garbage collector gets to it) is settled here."""
+
+    def __init__(self, content: AsyncIterator[bytes], exchange: Exchange, *,
+                 on_unserved: Callable[[Exchange], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.exchange = exchange
+        self._on_unserved = on_unserved
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_unserved(self.exchange)  # a no-op when the relay settled and counted it
 
 
 class ClientGone(Exception):

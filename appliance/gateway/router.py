@@ -34,6 +34,7 @@ class Outcome(enum.Enum):
     SUCCESS = "success"
     FAILURE = "failure"  # the replica's fault: connect error, 5xx, timeout, broken stream
     CLIENT_ERROR = "client_error"  # a 4xx: the request's fault, says nothing about the replica
+    TIMED_OUT = "timed_out"  # outlived request_timeout_seconds: the request's length (max_tokens), not a fault
     ABORTED = "aborted"  # the client went away or the request never reached the replica
 
 

@@ -132,6 +132,7 @@ class AlertKnobs(_Model):
     ApplianceRestartLoop: RestartLoop
     ApplianceReplicaSpawnFailing: ThresholdWindow
     ApplianceDrainStuck: For
+    ApplianceSlotDrift: For
     ApplianceLatencyDrift: LatencyDrift
     ApplianceSlowModelLoad: SlowModelLoad
 

@@ -333,6 +333,14 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
         summary="Replica {{ $labels.replica }} has been draining for " + c.for_ + ".",
         description="{{ $labels.replica }} has been out of routing (draining) for " + c.for_ + ": a restart did "
                     "not complete, or it was drained by hand and never returned. Capacity is reduced."))
+    c = knobs.ApplianceSlotDrift
+    out.append(Alert(
+        "ApplianceSlotDrift", f"max by ({by}) (appliance_slot_drift{{{app}}}) == 1", "warning", for_=c.for_,
+        summary="The gateway counts requests at {{ $labels.replica }} that its engine does not have.",
+        description="For " + c.for_ + " the gateway has counted more requests in flight at {{ $labels.replica }} "
+                    "than its engine reports running or waiting (admission.slot_drift_seconds at a time): slots "
+                    "that no request uses, which shrink admission's room. Readiness turns 503 when no replica has "
+                    "room left but these."))
     c = knobs.ApplianceLatencyDrift
     out.append(Alert(
         "ApplianceLatencyDrift",

@@ -42,8 +42,8 @@ def test_queued_request_gets_the_freed_slot_in_order():
         waiter = asyncio.create_task(admission.acquire())
         await asyncio.sleep(0.01)
         assert admission.queue_length == 1 and not waiter.done()
-        admission.release(first, Outcome.SUCCESS, 0.1)
-        assert await waiter is replica
+        first.release(Outcome.SUCCESS, 0.1)
+        assert (await waiter).replica is replica
         assert admission.router.in_flight(replica.name) == 1
 
     asyncio.run(scenario())
@@ -52,7 +52,7 @@ def test_queued_request_gets_the_freed_slot_in_order():
 def test_full_queue_and_queue_timeout_are_429_with_retry_after():
     async def scenario():
         admission, (replica,) = make(max_queue=1, timeout=0.1)
-        await admission.acquire()
+        held = await admission.acquire()
         waiting = asyncio.create_task(admission.acquire())
         await asyncio.sleep(0.01)
         with pytest.raises(APIError) as full:
@@ -63,6 +63,8 @@ def test_full_queue_and_queue_timeout_are_429_with_retry_after():
         assert timed_out.value.status == 429
         assert admission.rejected == {"queue_full": 1, "queue_timeout": 1}
         assert admission.router.in_flight(replica.name) == 1  # nothing leaked
+        held.release(Outcome.SUCCESS)
+        assert admission.router.in_flight(replica.name) == 0
 
     asyncio.run(scenario())
 
@@ -86,7 +88,7 @@ def test_cancelled_waiter_gives_back_its_slot():
         await asyncio.sleep(0.01)
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        admission.release(first, Outcome.SUCCESS)
+        first.release(Outcome.SUCCESS)
         assert admission.router.in_flight(replica.name) == 0
 
     asyncio.run(scenario())
@@ -103,7 +105,7 @@ def test_requests_wait_for_a_replica_in_planned_restart():
         replica.routable = True
         replica.status.planned_restart = False
         admission.dispatch()  # what the engine-load poller does every interval
-        assert await waiter is replica
+        assert (await waiter).replica is replica
 
     asyncio.run(scenario())
 
@@ -118,10 +120,10 @@ def test_queued_retry_never_gets_the_replica_it_is_leaving():
         first, second = await admission.acquire(), await admission.acquire()
         retry = asyncio.create_task(admission.acquire(frozenset({"replica-0"})))
         await asyncio.sleep(0.01)
-        admission.release(first, Outcome.FAILURE)  # replica-0 frees up: not for the retry that left it
+        first.release(Outcome.FAILURE)  # replica-0 frees up: not for the retry that left it
         await asyncio.sleep(0.01)
         assert not retry.done()
-        admission.release(second, Outcome.SUCCESS, 0.1)
-        assert (await retry).name == "replica-1"
+        second.release(Outcome.SUCCESS, 0.1)
+        assert (await retry).replica.name == "replica-1"
 
     asyncio.run(scenario())

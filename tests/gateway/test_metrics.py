@@ -57,10 +57,12 @@ def test_ttft_buckets_include_the_slo(make_client):
 
 
 def test_fleet_state_is_exported(client, replicas):
-    client.app.state.router.outstanding["replica-1"] = 2
+    admission = client.app.state.admission
+    held = [admission.try_lease(frozenset({"replica-0"}), None) for _ in range(2)]  # two requests at replica-1
     families = scrape(client)
     assert value(families["appliance_replica_outstanding_requests"], "appliance_replica_outstanding_requests",
                  replica="replica-1") == 2
+    assert len(held) == 2  # held until here: a dropped lease would give its slot back
     assert value(families["appliance_queue_length"], "appliance_queue_length") == 0
     assert value(families["appliance_replica_concurrency_limit"], "appliance_replica_concurrency_limit",
                  replica="replica-0") >= 1

@@ -2,6 +2,8 @@
 
 import json
 
+from appliance.gateway.router import Outcome
+
 
 def test_body_passes_through_byte_for_byte(client, stubs):
     raw = b'{"model": "demo", "prompt": "hi",   "max_tokens": 3, "vendor_field": {"x": 1}}'
@@ -74,10 +76,12 @@ def test_no_ready_replica_is_a_503_with_retry_after(client, replicas):
 
 def test_least_outstanding_replica_wins(client, replicas):
     router = client.app.state.router
-    router.outstanding["replica-0"] = 3
+    held = [client.app.state.admission.try_lease(frozenset({"replica-1"}), None) for _ in range(3)]  # at replica-0
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.headers["x-appliance-replica"] == "replica-1"
     assert router.in_flight("replica-0") == 3 and router.in_flight("replica-1") == 0
+    for lease in held:
+        lease.release(Outcome.SUCCESS)
 
 
 def test_models_lists_the_served_model(client):
@@ -95,8 +99,20 @@ def test_timed_out_request_is_not_sent_to_another_replica(make_client, stubs):
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "upstream_timeout"
     assert sum(len(stub.received) for stub in stubs) == 1
+
+
+def test_requests_that_outlive_the_request_timeout_do_not_eject_replicas(make_client, stubs):
+    """Issue 20: six requests that ran past request_timeout_seconds (their own long max_tokens) ejected both
+    replicas and put routing into panic mode. The whole-request timeout measures the request, not the replica."""
+    client = make_client(request_timeout_seconds=0.3, routing={"eject_consecutive_failures": 3})
+    for stub in stubs:
+        stub.delay = 2.0
+    codes = [client.post("/v1/completions", json={"prompt": "hi"}).status_code for _ in range(6)]
+    assert codes == [504] * 6
     router = client.app.state.router
-    assert sorted(router.health_of(f"replica-{i}").consecutive_failures for i in range(2)) == [0, 1]
+    assert [router.health_of(f"replica-{i}").consecutive_failures for i in range(2)] == [0, 0]
+    assert not any(router.health_of(f"replica-{i}").ejected for i in range(2)) and not router.panic()
+    assert router.in_flight() == 0
 
 
 def test_stalled_stream_is_cut_after_the_idle_timeout_with_an_error_event(make_client, stubs):

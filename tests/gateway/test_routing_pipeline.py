@@ -145,14 +145,16 @@ def test_a_queued_request_is_dispatched_with_its_prompt():
         router = Router(lambda: replicas, limit_for=limits.limit_of)
         admission = Admission(router, limits, max_queue=4, queue_timeout_seconds=5)
         r0, r1 = replicas
-        assert await admission.acquire() is r0
-        assert await admission.acquire(request=conversation(6, turns=2)) is r1
+        first = await admission.acquire()
+        second = await admission.acquire(request=conversation(6, turns=2))
+        assert (first.replica, second.replica) == (r0, r1)
         waiting = asyncio.ensure_future(admission.acquire(request=conversation(6, turns=3)))
         await asyncio.sleep(0)
+        # Both freed before the queue moves: without its prompt the waiter would get r0 (lower index).
         router.release(r0, Outcome.SUCCESS)
         router.release(r1, Outcome.SUCCESS)
-        admission.dispatch()  # both free: without its prompt the waiter would get r0 (lower index)
-        return await waiting, r1
+        admission.dispatch()
+        return (await waiting).replica, r1
 
     chosen, r1 = asyncio.run(scenario())
     assert chosen is r1

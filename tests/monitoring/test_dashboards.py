@@ -312,18 +312,17 @@ def test_the_catalogue_matches_what_the_code_registers(tmp_path: Path) -> None:
 
     from appliance.collectors import register_collectors
     from appliance.collectors.settings import CollectorSettings
+    from appliance.gateway.admission import Admission, ConcurrencyLimits
     from appliance.gateway.fleet_metrics import FleetCollector
     from appliance.gateway.metrics import RequestMetrics
     from appliance.gateway.router import Router
     from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 
-    class Admission:
-        queue_length = 0
-        rejected = {"queue_full": 1}
-
+    router = Router(list)
     registry = CollectorRegistry()
     RequestMetrics(registry, slo_ttft_seconds=0.8)
-    registry.register(FleetCollector(router=Router(list), admission=Admission()))
+    admission = Admission(router, ConcurrencyLimits(None), max_queue=0, queue_timeout_seconds=1)
+    registry.register(FleetCollector(router=router, admission=admission))
     MaintenanceMetrics(registry)
     registry.register(MaintenanceCollector(list, lambda name: False, lambda: 1.8e9))
     register_collectors(registry, replicas=list, router_load=dict,

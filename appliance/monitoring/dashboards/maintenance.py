@@ -93,11 +93,23 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                    unit="none", description="Alertmanager notifications the appliance's webhook received per "
                                             "interval, and the action it chose (none, duplicate, or the "
                                             "whitelisted maintenance action)."),
+        timeseries(16, "Slot surplus over the engine",
+                   target(f"appliance_slot_surplus{{{gw_replica}}}", "surplus {{replica}}"),
+                   target(f"appliance_slot_drift{{{gw_replica}}}", "drift {{replica}}"),
+                   target(increase("appliance_slot_orphans_returned_total", gw, by="replica"),
+                          "orphans returned {{replica}}"),
+                   target(increase("appliance_slot_leases_reclaimed_total", gw, by="replica"),
+                          "leases reclaimed {{replica}}"),
+                   unit="none", min_=0, links=runbooks(config, "ApplianceSlotDrift"),
+                   description="Requests the gateway counts in flight at a replica beyond what its engine reports "
+                               "running + waiting (short spikes are normal), 1 while that surplus has lasted "
+                               "admission.slot_drift_seconds, and slots the gateway's own safety nets returned "
+                               "(both should stay 0)."),
     ]
     by_id = {panel["id"]: panel for panel in panels}
     sections = [Section(101, "Replicas now", [by_id[i] for i in (1, 2, 3, 4, 5, 6)]),
                 Section(102, "Life cycle", [by_id[i] for i in (7, 8, 9, 10)]),
-                Section(103, "Drains, hangs and maintenance", [by_id[i] for i in (11, 12, 13, 14, 15)])]
+                Section(103, "Drains, hangs and maintenance", [by_id[i] for i in (11, 12, 13, 14, 15, 16)])]
     return dashboard(UID, "Appliance / Maintenance",
                      "What happened to the replicas? Restarts, crashes, drains, state, model load, maintenance.",
                      sections, ["maintenance"], sel)
