@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_ENV = {"GRAFANA_ADMIN_PASSWORD": "pw", "APPLIANCE_ADMIN_TOKEN": "token"}
 
 
-def _compose_config(env: dict[str, str]) -> subprocess.CompletedProcess:
+def _compose_config(env: dict[str, str], compose_file: Path = ROOT / "compose.yaml") -> subprocess.CompletedProcess:
+    """`docker-compose config` with only ``env``: an empty --env-file, since docker-compose would otherwise read the
+    developer's own (untracked) .env beside compose.yaml, and a secret there would hide a missing default."""
     compose = require_tool("docker-compose", "docker-compose")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("APPLIANCE_", "GRAFANA_", "COMPOSE_"))}
-    return subprocess.run([compose, "-f", str(ROOT / "compose.yaml"), "config"], capture_output=True, text=True,
-                          env={**clean, **env}, cwd=ROOT)
+    with tempfile.TemporaryDirectory() as scratch:
+        empty = Path(scratch) / "empty.env"
+        empty.write_text("")
+        return subprocess.run([compose, "--env-file", str(empty), "-f", str(compose_file), "config"],
+                              capture_output=True, text=True, env={**clean, **env}, cwd=compose_file.parent)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +60,31 @@ def test_secrets_are_required_not_defaulted() -> None:
     assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
 
 
+def test_a_local_env_file_does_not_reach_the_compose_checks(tmp_path) -> None:
+    """.env is the operator's own file (untracked, secrets in it): the checks must see compose.yaml's defaults."""
+    (tmp_path / "compose.yaml").write_text((ROOT / "compose.yaml").read_text())
+    (tmp_path / ".env").write_text("GRAFANA_ADMIN_PASSWORD=from-a-local-env\n")
+    result = _compose_config({"APPLIANCE_ADMIN_TOKEN": "token"}, tmp_path / "compose.yaml")
+    assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+def test_env_is_the_operators_file_and_env_example_the_committed_one() -> None:
+    """Issue 19: .env was tracked and the docs append the admin token to it: `git commit -a` would leak it."""
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", ".env"], cwd=ROOT)
+    assert ignored.returncode == 0, ".gitignore must ignore .env"
+    assert subprocess.run(["git", "check-ignore", "-q", "--no-index", ".env.example"], cwd=ROOT).returncode == 1
+    doc = (ROOT / "docs" / "compose.md").read_text()
+    assert "cp .env.example .env" in doc
+
+
 def test_gpu_appliance_reserves_nvidia_devices_and_cpu_profile_runs_the_cpu_build(services) -> None:
     gpu, cpu = services["appliance"], services["appliance-cpu"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
     assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
     assert cpu["build"]["args"]["ENGINE_BUILD"] == "cpu" and cpu["environment"]["APPLIANCE_DEVICE"] == "cpu"
-    assert (ROOT / ".env").read_text().count("COMPOSE_PROFILES=gpu") == 1  # plain `docker compose up`: GPU
+    # plain `docker compose up` after `cp .env.example .env`: GPU
+    assert (ROOT / ".env.example").read_text().count("COMPOSE_PROFILES=gpu") == 1
 
 
 def test_appliance_drains_before_docker_kills_it(services) -> None:
@@ -139,7 +163,7 @@ def test_the_image_installs_offline_from_the_wheelhouse_and_runs_under_an_init()
 def test_the_documented_secret_setup_generates_real_values(tmp_path) -> None:
     """docs/compose.md's .env recipe, run: a quoted heredoc would write the literal `$(openssl rand ...)`."""
     doc = (ROOT / "docs" / "compose.md").read_text()
-    recipe = re.search(r"```bash\n(cat >> \.env <<.*?\nENV\n)", doc, re.S)
+    recipe = re.search(r"```bash\ncp \.env\.example \.env\n(cat >> \.env <<.*?\nENV\n)", doc, re.S)
     assert recipe, "docs/compose.md lost its .env recipe"
     subprocess.run(["bash", "-euc", recipe.group(1)], cwd=tmp_path, check=True)
     values = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines())

@@ -130,3 +130,62 @@ def test_setup_tools_installs_the_network_backend_whose_dns_resolves_service_nam
     done = subprocess.run(["/bin/bash", "scripts/setup-tools"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and not (tmp_path / "asked").exists()
+
+
+def _wheelhouse_checkout(tmp_path: Path, version: str) -> tuple[Path, dict[str, str]]:
+    """A copy of what scripts/build-wheelhouse reads, and a stub Python ``version`` whose `pip wheel` writes a
+    wheel named after the extras it was asked for and logs its arguments: no index is ever asked."""
+    repo = tmp_path / "repo"
+    (repo / "scripts" / "lib").mkdir(parents=True)
+    for name in ["scripts/build-wheelhouse", "scripts/lib/pip-sources.sh", "pyproject.toml", "Dockerfile"]:
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    (repo / "scripts" / "build-wheelhouse").chmod(0o755)
+    major, minor = version.split(".")
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/bash
+echo "$*" >> {tmp_path}/pip.log
+case "$1 $2 $3" in
+  "-c "*) echo "{major}.{minor}";;
+  "-m pip wheel") shift 3; while [ "$1" != --wheel-dir ]; do shift; done
+    extras=$(printf '%s\\n' "$@" | sed -n 's/^\\.\\[\\(.*\\)\\]$/\\1/p' | tr , _)
+    touch "$2/fake_$extras-1.0-py3-none-any.whl";;
+  "-m pip --version") echo "pip 24.0";;
+esac
+""")
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "APPLIANCE_"))}
+    return repo, {**env, "PYTHON": str(stub)}
+
+
+def _build_wheelhouse(repo: Path, env: dict[str, str], **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(repo / "scripts" / "build-wheelhouse")], cwd=repo, env={**env, **extra},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_build_wheelhouse_builds_again_for_other_extras(tmp_path: Path) -> None:
+    """Issue 19: after the default (cpu,test) run, the gpu run said 'up to date' and the GPU image had no vllm."""
+    repo, env = _wheelhouse_checkout(tmp_path, "3.11")
+    assert _build_wheelhouse(repo, env).returncode == 0
+    again = _build_wheelhouse(repo, env)
+    assert again.returncode == 0 and "up to date" in again.stdout  # same inputs: nothing to do
+    gpu = _build_wheelhouse(repo, env, APPLIANCE_WHEELHOUSE_EXTRAS="gpu")
+    assert gpu.returncode == 0, gpu.stderr
+    assert "fake_gpu-1.0-py3-none-any.whl" in (repo / "wheelhouse" / "INDEX").read_text()
+
+
+def test_build_wheelhouse_builds_again_after_a_pyproject_edit(tmp_path: Path) -> None:
+    """The stamp is pyproject.toml's content, not its mtime: a copy or checkout that keeps the time still counts."""
+    repo, env = _wheelhouse_checkout(tmp_path, "3.11")
+    assert _build_wheelhouse(repo, env).returncode == 0
+    (repo / "pyproject.toml").write_text((repo / "pyproject.toml").read_text() + "\n# edited\n")
+    os.utime(repo / "pyproject.toml", (0, 0))  # older than the stamp: only its content says it changed
+    assert "up to date" not in _build_wheelhouse(repo, env).stdout
+
+
+def test_build_wheelhouse_refuses_a_python_other_than_the_images(tmp_path: Path) -> None:
+    """Issue 19: Ubuntu 24.04's python3 built cp312 wheels for the 3.11 image (Dockerfile: python:3.11-slim)."""
+    repo, env = _wheelhouse_checkout(tmp_path, "3.12")
+    result = _build_wheelhouse(repo, env)
+    assert result.returncode == 2
+    assert "Python 3.12" in result.stderr and "Python 3.11" in result.stderr
+    assert not (repo / "wheelhouse").exists()

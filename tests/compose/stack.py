@@ -86,6 +86,10 @@ class ComposeStack:
         base = free_port_range(3)
         self.ports = {"APPLIANCE_PORT": base, "PROMETHEUS_PORT": base + 1, "ALERTMANAGER_PORT": base + 2}
         self.override = self._write_override()
+        # Only what env() passes: a developer's own .env beside compose.yaml (untracked; it may name a real model
+        # or secrets) must not change the stack under test. docker-compose reads it unless given another file.
+        self.env_file = self.workdir / "empty.env"
+        self.env_file.write_text("")
 
     @property
     def gateway(self) -> str:
@@ -124,8 +128,8 @@ class ComposeStack:
                 "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8), **{k: str(v) for k, v in self.ports.items()}}
 
     def command(self, *args: str) -> list[str]:
-        return ["docker-compose", "-p", self.project, "-f", str(REPO / "compose.yaml"), "-f", str(self.override),
-                *args]
+        return ["docker-compose", "-p", self.project, "--env-file", str(self.env_file),
+                "-f", str(REPO / "compose.yaml"), "-f", str(self.override), *args]
 
     def popen(self, *args: str) -> subprocess.Popen:
         """docker-compose in the background (its output merged, as text)."""
