@@ -107,11 +107,14 @@ def test_generated_admission_sequences_keep_the_count_equal_to_the_live_leases(o
         leases = []
         waiters: list[asyncio.Task] = []
 
-        def check() -> None:
+        def check(settled: bool = False) -> None:
+            """The router's count is the ledger's, always; the leases the test sees are all of them once every
+            waiter has run (before that, a lease handed to a queued request sits in its future for a moment)."""
             live = [lease for lease in leases if not lease.released]
             for name in ("replica-0", "replica-1"):
                 held = sum(1 for lease in live if lease.replica.name == name)
-                assert router.in_flight(name) == admission.ledger.held[name] == held, (name, ops)
+                assert router.in_flight(name) == admission.ledger.held[name], (name, ops)
+                assert (held == admission.ledger.held[name]) if settled else (held <= admission.ledger.held[name])
                 assert router.in_flight(name) <= 2
 
         async def take(exclude: frozenset[str]) -> None:
@@ -136,7 +139,7 @@ def test_generated_admission_sequences_keep_the_count_equal_to_the_live_leases(o
             await asyncio.sleep(0 if n % 3 else 0.005)
             check()
         await asyncio.gather(*waiters, return_exceptions=True)
-        check()
+        check(settled=True)
         for lease in leases:
             lease.release(Outcome.SUCCESS)
         admission.audit.check()

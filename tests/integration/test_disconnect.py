@@ -14,13 +14,21 @@ generated 1,967 tokens before the aborts landed (CI). Paused, what the engine ge
 what nobody stopped: 4 x 1,000 tokens without the fix, 0 with it (measured). The API server and the gateway keep
 running, so the disconnect travels the real path: client -> gateway -> closed upstream connection -> vLLM abort.
 
+Slots (issue 20): bursts of streaming clients that all drop at once, and `appliance capacity` through the gateway
+(which stops a probe with requests still running), leave nothing counted in flight: the gateway's count returns
+to 0, no slot needed the garbage-collection backstop, and a new request is answered. Before the fix the first
+burst left the replica's whole limit counted in flight for good (every later request: 429 after the queue wait).
+
 Its own one-replica appliance (`serve`), so that its aborts do not disturb the shared appliance's measurements.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,3 +117,61 @@ def test_non_streaming_clients_that_leave_stop_their_engine_requests(single):
     assert spent < CLIENTS * MAX_TOKENS / 4, f"the engine generated {spent} tokens for clients that had left"
     assert finished(single, "length") == lengths  # none ran to max_tokens for nobody
     assert gateway_count(single, "200") == 0
+
+
+def gateway_gauge(app: ApplianceProcess, name: str) -> float:
+    return sample_sum(f"{app.url}/metrics", name)
+
+
+def back_to_baseline(app: ApplianceProcess) -> bool:
+    return gateway_gauge(app, "appliance_inflight_requests") == 0 and gateway_gauge(app, "appliance_queue_length") == 0
+
+
+def answered(app: ApplianceProcess) -> int:
+    response = httpx.post(f"{app.url}/v1/completions", timeout=120,
+                          json={"model": "demo", "prompt": "The class statement", "max_tokens": 4})
+    return response.status_code
+
+
+def burst_of_streams_dropped_at_once(app: ApplianceProcess, clients: int, rng: random.Random) -> None:
+    body = json.dumps({"model": "demo", "prompt": "The class statement", "max_tokens": 200, "ignore_eos": True,
+                       "stream": True}).encode()
+    sockets = []
+    try:
+        for _ in range(clients):
+            sock = socket.create_connection(("127.0.0.1", app.port))
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            sockets.append(sock)
+        time.sleep(rng.uniform(1.0, 3.0))  # some stream, the rest wait in the gateway's queue
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_bursts_of_streams_dropped_at_once_give_every_slot_back(single):
+    rng = random.Random(20)
+    for _ in range(3):
+        burst_of_streams_dropped_at_once(single, 128, rng)
+    assert wait_for(lambda: back_to_baseline(single), timeout=60), (
+        gateway_gauge(single, "appliance_inflight_requests"), gateway_gauge(single, "appliance_queue_length"))
+    assert gateway_gauge(single, "appliance_slot_leases_reclaimed_total") == 0
+    assert gateway_gauge(single, "appliance_slot_orphans_returned_total") == 0
+    assert answered(single) == 200
+
+
+def test_a_capacity_search_through_the_gateway_reports_and_leaves_it_serving(single, demo_model_int8, tmp_path):
+    """The issue's reproduction: `appliance capacity` against one real replica through the gateway; its probes
+    stop with requests still running, which wedged the gateway before the fix."""
+    result = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "capacity", "--url", single.url, "--model", "demo",
+         "--slo-ttft-p95-ms", "3000", "--max-concurrency", "64", "--requests-per-probe", "32",
+         "--max-requests-per-probe", "80", "--settle-s", "0.5", "--prompt-tokens", "16", "--max-tokens", "8",
+         "--tokenizer", str(demo_model_int8), "--no-progress", "--out", str(tmp_path), "--max-lag-ms", "1000"],
+        capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "capacity.json").read_text())
+    assert report["result"]["max_concurrency"] is not None and report["result"]["max_concurrency"] >= 1, (
+        report["result"], result.stderr[-2000:])
+    assert wait_for(lambda: back_to_baseline(single), timeout=60)
+    assert gateway_gauge(single, "appliance_slot_leases_reclaimed_total") == 0
+    assert answered(single) == 200
