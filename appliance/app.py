@@ -23,7 +23,7 @@ from appliance import status, version
 from appliance.collectors import register_collectors
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway.core import Gateway, build_gateway
-from appliance.gateway.limits import RequestIntake
+from appliance.gateway.limits import BodyBudget, RequestIntake
 from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
@@ -96,7 +96,9 @@ def create_app(
     app.state.started_at = time.time()
     install_error_handlers(app, on_error=gateway.metrics.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
+    app.state.body_budget = BodyBudget(settings.intake.body_budget_bytes)
     app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes,
+                       body_timeout=settings.intake.body_timeout_seconds, budget=app.state.body_budget,
                        on_reject=gateway.metrics.count_unproxied)
     for route in (*Gateway.routes(), maintenance_routes.router, status.router):
         app.include_router(route)

@@ -21,6 +21,7 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -32,6 +33,7 @@ from appliance.engine.contract import Fleet
 from appliance.engine.discovery import DnsFleet
 from appliance.engine.external import ExternalFleet
 from appliance.engine.supervisor import Supervisor
+from appliance.gateway.connections import GuardedHttpToolsProtocol
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,17 @@ def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
     return Supervisor.from_settings(settings, engine_extra_env(settings))
 
 
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options that come from the settings: the connection level of the intake (header timeout and
+    size, the connection cap, closing after an answer given before the body ended; see
+    appliance/gateway/connections.py). uvicorn's own ``limit_concurrency`` is not used: it answers plain text
+    without Retry-After."""
+    intake = settings.intake
+    return {"http": GuardedHttpToolsProtocol.configured(
+        header_timeout=intake.header_timeout_seconds, max_header_bytes=intake.max_header_bytes,
+        max_connections=intake.max_connections)}
+
+
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
     registry = CollectorRegistry()
@@ -122,7 +135,7 @@ def serve(settings: Settings) -> int:
     app = create_app(settings, fleet=fleet, registry=registry)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
-        timeout_graceful_shutdown=5, access_log=False,
+        timeout_graceful_shutdown=5, access_log=False, **server_options(settings),
     )
     if settings.role == "node":
         server = DrainingServer(config, app, settings.drain_timeout_seconds, pending=node_pending,

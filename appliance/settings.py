@@ -204,6 +204,34 @@ class AdmissionSettings(BaseModel):
     )
 
 
+class IntakeSettings(BaseModel):
+    """Hostile input is refused before any work (appliance/gateway/limits.py, appliance/gateway/connections.py):
+    the API key is checked before the body is read; these bound what a client may hold before that."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="A request's line and headers must arrive within this many seconds (from the "
+        "connection's start, or a kept-alive connection's next request's first byte); else 408 and close."
+    )
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, description="The whole body must arrive within this many seconds after the headers (a total, "
+        "so a body that trickles in a byte at a time is cut too); else 408 and close."
+    )
+    max_header_bytes: int = Field(
+        65536, ge=1024, description="Largest request line plus headers, in bytes; beyond it: 431 and close."
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="Open client connections the gateway serves at once; a request on a connection "
+        "beyond it: 503 with Retry-After, and the connection is closed."
+    )
+    body_budget_bytes: int = Field(
+        67_108_864, ge=1024, description="Request body bytes being received at once, all clients together (a "
+        "body counts from its Content-Length, or as it arrives, until it has all arrived); a body that does not "
+        "fit: 503 with Retry-After. At least max_request_bytes."
+    )
+
+
 class DiscoverySettings(BaseModel):
     """Gateway role: engines found by DNS (a Kubernetes headless Service), re-resolved on an interval."""
 
@@ -310,6 +338,7 @@ class Settings(BaseSettings):
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    intake: IntakeSettings = Field(default_factory=IntakeSettings)
     # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
     # reads again. None for settings built in code.
     _source: SettingsSource | None = PrivateAttr(default=None)
@@ -346,6 +375,13 @@ class Settings(BaseSettings):
             raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
         if self.role == "gateway" and self.engine_urls:
             raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        return self
+
+    @model_validator(mode="after")
+    def _the_body_budget_holds_the_largest_body(self) -> Settings:
+        if self.intake.body_budget_bytes < self.max_request_bytes:
+            raise ValueError(f"intake.body_budget_bytes ({self.intake.body_budget_bytes}) is below "
+                             f"max_request_bytes ({self.max_request_bytes}): no largest body could ever be read")
         return self
 
     @model_validator(mode="after")

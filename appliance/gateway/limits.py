@@ -1,35 +1,142 @@
-"""Request intake as pure ASGI middleware: stamps each request's arrival time (latency is measured from it, so
-time spent in the gateway counts) and enforces the size limit before any body is buffered, with or without
-Content-Length (chunked uploads are counted as they arrive)."""
+"""Request intake as pure ASGI middleware, the first thing every request meets. In order, before any work:
+
+1. stamps the request's arrival (latency is measured from it, so time spent in the gateway counts);
+2. checks the bearer token for /v1, /admin and /sd/targets from the headers alone (appliance/http/auth.py, the
+   same constant-time matching the routes' dependencies use): a stranger gets 401 before one byte of its body is
+   read, so it cannot make the gateway buffer anything (issue 20);
+3. refuses a declared Content-Length over ``max_request_bytes`` (413);
+4. takes the body's bytes from the global body budget (``intake.body_budget_bytes``): the declared length up
+   front, a chunked body as it arrives; what does not fit is 503 with Retry-After;
+5. while the app reads the body: counts it against ``max_request_bytes`` (413, chunked uploads too), and cuts it
+   at ``intake.body_timeout_seconds`` after the headers (408). The budget is given back once the body has all
+   arrived, or when the request ends.
+
+Status codes, as an SRE reads them: 401/413/408 are the client's doing (408: RFC 9110 "did not receive a complete
+request message within the time it was prepared to wait"). A full body budget is the gateway's capacity, not the
+client's fault: 503 + Retry-After (retry here shortly, or on another instance; load balancers and OpenAI's clients
+retry it), not 429, which says "you, slow down" and belongs to admission's per-capacity queue. None of these answers
+closes the connection itself: the connection level (appliance/gateway/connections.py) sends the answer, stops
+reading a body the app did not read, and closes (a lingering close, so the client sees the answer).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.http.errors import ErrorHook, error_body
+from appliance.http.auth import refusal
+from appliance.http.errors import APIError, ErrorHook, error_body
+
+RETRY_AFTER_SECONDS = 1  # a full budget frees as uploads finish (or time out): retry soon, or elsewhere
 
 
-class BodyTooLarge(HTTPException):
+class IntakeRefusal(HTTPException):
     """Raised from the body stream as an HTTPException on purpose: FastAPI re-raises those from its body parsing
     (any other exception there becomes its 400 "error parsing the body"), so the app's error handlers answer
-    413, and count it, like every other error."""
+    with this status and code, and count it, like every other error."""
 
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, headers=headers)
+        self.code = code
+
+    def as_api_error(self) -> APIError:
+        return APIError(self.status_code, str(self.detail), code=self.code, headers=dict(self.headers or {}))
+
+
+class BodyTooLarge(IntakeRefusal):
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, too_large_message(max_bytes))
+        super().__init__(413, too_large_message(max_bytes), "request_too_large")
+
+
+class BodyTimeout(IntakeRefusal):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"request body not received within {seconds:g}s (intake.body_timeout_seconds)",
+                         "body_timeout")
+
+
+class BodyBudgetExhausted(IntakeRefusal):
+    def __init__(self, budget: int) -> None:
+        super().__init__(503, f"the gateway is receiving {budget} bytes of request bodies already "
+                              "(intake.body_budget_bytes); retry shortly", "body_budget_exhausted",
+                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def too_large_message(max_bytes: int) -> str:
     return f"request body exceeds {max_bytes} bytes (max_request_bytes)"
 
 
+class BodyBudget:
+    """Bytes of request bodies being received, all requests together, against one limit. Only the event loop
+    touches it: no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def take(self, size: int) -> bool:
+        if self.in_flight + size > self.limit:
+            return False
+        self.in_flight += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.in_flight -= size
+
+
+class _Body:
+    """One request's body as the app reads it: counted, timed, and paid for from the budget."""
+
+    def __init__(self, receive: Receive, intake: RequestIntake, held: int) -> None:
+        self._receive = receive
+        self._intake = intake
+        self._deadline = asyncio.get_running_loop().time() + intake.body_timeout
+        self.held = held
+        self.received = 0
+        self.done = False
+
+    async def receive(self) -> Message:
+        if self.done:  # the body is in: what is left is waiting for a disconnect, which has no deadline
+            return await self._receive()
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                message = await self._receive()
+        except TimeoutError:
+            self.release()
+            raise BodyTimeout(self._intake.body_timeout) from None
+        if message["type"] != "http.request":
+            self.done = True
+            self.release()
+            return message
+        self.received += len(message.get("body", b""))
+        if self.received > self._intake.max_bytes:
+            self.release()
+            raise BodyTooLarge(self._intake.max_bytes)
+        if self.received > self.held:  # no Content-Length: paid for as it arrives
+            if not self._intake.budget.take(self.received - self.held):
+                self.release()
+                raise BodyBudgetExhausted(self._intake.budget.limit)
+            self.held = self.received
+        if not message.get("more_body", False):
+            self.done = True
+            self.release()
+        return message
+
+    def release(self) -> None:
+        self._intake.budget.give(self.held)
+        self.held = 0
+
+
 class RequestIntake:
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: ErrorHook | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, *, body_timeout: float, budget: BodyBudget,
+                 on_reject: ErrorHook | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout = body_timeout
+        self.budget = budget
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -37,33 +144,42 @@ class RequestIntake:
             await self.app(scope, receive, send)
             return
         scope["appliance.arrived"] = time.monotonic()
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, send)
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization")
+        denied = refusal(scope["app"].state.settings, route_path(scope),
+                         authorization.decode("latin-1") if authorization is not None else None)
+        if denied is not None:
+            await self._answer(scope, send, denied)
             return
-        received = 0
-
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
-            return message
-
+        declared = headers.get(b"content-length")
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if size is not None and size > self.max_bytes:
+            await self._answer(scope, send, BodyTooLarge(self.max_bytes).as_api_error())
+            return
+        if size and not self.budget.take(size):
+            await self._answer(scope, send, BodyBudgetExhausted(self.budget.limit).as_api_error())
+            return
+        body = _Body(receive, self, held=size or 0)
         try:
             # `send` is passed through unwrapped: it runs once per streamed chunk. The gateway's routes read the
-            # whole body before answering, so an oversized body is always caught before the response starts.
-            await self.app(scope, counting_receive, send)
-        except BodyTooLarge:  # read outside FastAPI's handlers: answer here
-            await self._reject(scope, send)
+            # whole body before answering, so a refused body is always caught before the response starts.
+            await self.app(scope, body.receive, send)
+        except IntakeRefusal as exc:  # read outside FastAPI's handlers: answer here
+            await self._answer(scope, send, exc.as_api_error())
+        finally:
+            body.release()
 
-    async def _reject(self, scope: Scope, send: Send) -> None:
+    async def _answer(self, scope: Scope, send: Send, error: APIError) -> None:
         if self.on_reject is not None:
-            self.on_reject(scope["path"], scope, 413)
-        body = json.dumps(error_body(413, too_large_message(self.max_bytes))).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+            self.on_reject(scope["path"], scope, error.status)
+        body = json.dumps(error_body(error.status, error.message, param=error.param, code=error.code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def route_path(scope: Scope) -> str:
+    """The path Starlette routes on (without the root_path a proxy mounted the app under)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path

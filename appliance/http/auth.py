@@ -1,18 +1,25 @@
-"""Bearer-token checks: API keys for /v1 (optional), the admin token for /admin (required to enable it)."""
+"""Bearer-token checks: API keys for /v1 (optional), the admin token for /admin (required to enable it), either for
+/sd/targets when API keys are set.
+
+One policy, two callers. ``RequestIntake`` (appliance/gateway/limits.py) applies it to the request's headers before
+anything reads the body, so a stranger's body is never buffered (issue 20); the routes' FastAPI dependencies apply
+the same functions again as defence in depth (a route mounted outside those prefixes still needs its dependency)."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 
 from appliance.http.errors import APIError
 
+Check = Callable[[Any, str | None], APIError | None]
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
@@ -21,38 +28,75 @@ def _matches(token: str, accepted: list[str]) -> bool:
     return any(hmac.compare_digest(token.encode(), key.encode()) for key in accepted)
 
 
-async def require_api_key(request: Request) -> None:
-    keys = request.app.state.settings.api_keys
-    if not keys:
-        return
-    token = _bearer(request)
-    if token is None or not _matches(token, keys):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
+def api_key_error(settings: Any, authorization: str | None) -> APIError | None:
+    """/v1: open without API keys; otherwise one of them."""
+    if not settings.api_keys:
+        return None
+    token = _bearer(authorization)
+    if token is None or not _matches(token, settings.api_keys):
+        return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
 
 
-async def require_admin(request: Request) -> None:
-    admin_token = request.app.state.settings.admin_token
-    if not admin_token:
-        raise APIError(403, "admin API disabled: set admin_token (APPLIANCE_ADMIN_TOKEN)", code="admin_disabled")
-    token = _bearer(request)
-    if token is None or not _matches(token, [admin_token]):
-        raise APIError(401, "invalid or missing admin token", code="invalid_admin_token",
-                       headers={"WWW-Authenticate": "Bearer"})
+def admin_error(settings: Any, authorization: str | None) -> APIError | None:
+    """/admin: off (403) without an admin token; otherwise that token."""
+    if not settings.admin_token:
+        return APIError(403, "admin API disabled: set admin_token (APPLIANCE_ADMIN_TOKEN)", code="admin_disabled")
+    token = _bearer(authorization)
+    if token is None or not _matches(token, [settings.admin_token]):
+        return APIError(401, "invalid or missing admin token", code="invalid_admin_token",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
 
 
-async def require_api_key_or_admin(request: Request) -> None:
+def api_key_or_admin_error(settings: Any, authorization: str | None) -> APIError | None:
     """For what only the deployment's own tools need when clients must authenticate (/sd/targets lists the
     engines' addresses): open when no API keys are set, like /v1; otherwise an API key or the admin token, which
     is what Prometheus sends (http_sd_configs.authorization)."""
-    settings = request.app.state.settings
     if not settings.api_keys:
-        return
-    token = _bearer(request)
+        return None
+    token = _bearer(authorization)
     accepted = [*settings.api_keys, *([settings.admin_token] if settings.admin_token else [])]
     if token is None or not _matches(token, accepted):
-        raise APIError(401, "invalid or missing API key or admin token (Authorization: Bearer <token>)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return APIError(401, "invalid or missing API key or admin token (Authorization: Bearer <token>)",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def check_for_path(path: str) -> Check | None:
+    """The check a path needs, by the prefix its routes are mounted at; None: open (/health, /metrics, the docs,
+    which api_docs_urls turns off when API keys are set). ``path`` is the one Starlette routes on."""
+    if path == "/v1" or path.startswith("/v1/"):
+        return api_key_error
+    if path == "/admin" or path.startswith("/admin/"):
+        return admin_error
+    if path == "/sd/targets":
+        return api_key_or_admin_error
+    return None
+
+
+def refusal(settings: Any, path: str, authorization: str | None) -> APIError | None:
+    """Why a request for ``path`` with this Authorization header is refused, or None."""
+    check = check_for_path(path)
+    return check(settings, authorization) if check is not None else None
+
+
+def _raise(error: APIError | None) -> None:
+    if error is not None:
+        raise error
+
+
+async def require_api_key(request: Request) -> None:
+    _raise(api_key_error(request.app.state.settings, request.headers.get("authorization")))
+
+
+async def require_admin(request: Request) -> None:
+    _raise(admin_error(request.app.state.settings, request.headers.get("authorization")))
+
+
+async def require_api_key_or_admin(request: Request) -> None:
+    _raise(api_key_or_admin_error(request.app.state.settings, request.headers.get("authorization")))
 
 
 def api_docs_urls(api_keys: list[str]) -> dict[str, Any]:

@@ -16,10 +16,12 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "internal_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -92,7 +94,9 @@ def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return answer(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        # `code`: the intake's refusals (appliance/gateway/limits.py) are HTTPExceptions that carry one
+        return answer(request, exc.status_code, str(exc.detail), code=getattr(exc, "code", None),
+                      headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
