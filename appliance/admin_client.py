@@ -44,11 +44,15 @@ def token_dirs() -> list[str]:
     return [configured] if configured else ["var", str(DEFAULT_STATE_DIR)]
 
 
+def no_token_message() -> str:
+    return (f"no admin token: set {TOKEN_ENV}, or run from where `appliance up` wrote {TOKEN_FILE} "
+            f"(looked in {', '.join(token_dirs())})")
+
+
 def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
     token = admin_token()
     if not token:
-        raise AdminError(f"no admin token: set {TOKEN_ENV}, or run from where `appliance up` wrote "
-                         f"{TOKEN_FILE} (looked in {', '.join(token_dirs())})")
+        raise AdminError(no_token_message())
     request = urllib.request.Request(f"{url.rstrip('/')}{path}", method=method, data=b"" if method == "POST" else None,
                                      headers={"Authorization": f"Bearer {token}"})
     try:
@@ -62,6 +66,8 @@ def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
         raise AdminError(f"{method} {path}: HTTP {exc.code}: {message}") from exc
     except (urllib.error.URLError, OSError) as exc:
         raise AdminError(f"cannot reach the appliance at {url}: {exc}") from exc
+    except ValueError as exc:  # urllib's "unknown url type" and the like: a URL it cannot even try
+        raise AdminError(f"{url!r} is not a URL urllib can call: {exc}") from exc
 
 
 def format_status(status: dict) -> str:

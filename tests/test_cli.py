@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import stat
 
+import pytest
+
 from appliance import admin_client
 from appliance.admin_token import ensure_admin_token
 from appliance.cli import main
@@ -54,6 +56,7 @@ def test_the_token_file_is_found_from_any_directory(tmp_path, monkeypatch) -> No
 
 
 def test_user_errors_are_one_line_not_a_traceback(tmp_path, capsys, monkeypatch) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint: its max_model_len is read from it
     monkeypatch.setenv("APPLIANCE_MODEL", str(tmp_path))
     monkeypatch.setenv("APPLIANCE_DEVICE", "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -76,7 +79,7 @@ def test_demo_model_refuses_a_negative_budget_and_names_the_flag_to_overwrite(tm
     assert exited.value.code == 2
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
-    assert main(["demo-model", str(tmp_path / "m")]) == 1
+    assert main(["demo-model", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
     assert "--overwrite" in err and "overwrite=True" not in err
 
@@ -107,3 +110,83 @@ def test_engine_extra_args_from_the_environment_split_like_a_shell(monkeypatch) 
     assert load_settings(None).engine.extra_args == ["--enforce-eager", "--served-model-name", "a b"]
     monkeypatch.setenv("APPLIANCE_ENGINE__EXTRA_ARGS", '["--seed", "1"]')
     assert load_settings(None).engine.extra_args == ["--seed", "1"]
+
+
+def _commands() -> dict:
+    import argparse
+
+    from appliance.cli import build_parser
+
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_command_has_a_description_and_its_help_no_empty_or_misleading_defaults() -> None:
+    import argparse
+
+    problems = []
+    for name, parser in _commands().items():
+        if not (parser.description or "").strip():
+            problems.append(f"{name}: no description")
+        text = parser.format_help()
+        if "(default: None)" in text:
+            problems.append(f"{name}: (default: None)")
+        for action in parser._actions:  # a flag's default is the opposite of what giving it does: say nothing
+            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                flag = action.option_strings[-1]
+                line = next(line for line in text.splitlines() if flag in line)
+                after = text[text.index(line):].split("\n  -")[0]
+                if "(default: " in after:
+                    problems.append(f"{name} {flag}: {after.split('(default: ')[1].split(')')[0]}")
+    assert problems == []
+
+
+def test_every_url_option_takes_the_shared_url_type() -> None:
+    from appliance.cli import argtypes
+
+    shared = {argtypes.http_url, argtypes.host_port, argtypes.optional_host_port}
+    untyped = [f"{name} {action.option_strings[0]}" for name, parser in _commands().items()
+               for action in parser._actions
+               if action.dest in {"url", "gateway", "alertmanager", "metrics_url"} and action.type not in shared]
+    assert untyped == []
+
+
+@pytest.mark.parametrize("url", ["nonsense", "http://", "ftp://h:1", "h:99999"])
+def test_a_bad_url_is_a_usage_error_not_a_traceback(url, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["status", "--url", url])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--url" in err
+
+
+def test_urls_take_the_form_monitoring_config_takes(tmp_path, monkeypatch, capsys) -> None:
+    from appliance import admin_client
+
+    seen = []
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "t")
+    monkeypatch.setattr(admin_client, "call", lambda url, method, path: seen.append(url) or {"changed": []})
+    assert main(["reload", "--url", "localhost:8000"]) == 0
+    assert seen == ["http://localhost:8000"]
+    assert main(["monitoring-config", "--out", str(tmp_path), "--gateway", "http://appliance:8000",
+                 "--alertmanager", ""]) == 0
+    assert "appliance:8000/sd/targets" in (tmp_path / "prometheus.yml").read_text()
+
+
+def test_bad_input_exits_2_as_exit_codes_says(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("APPLIANCE_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path / "nowhere"))
+    assert main(["status"]) == 2  # no admin token: nothing was sent
+    assert "APPLIANCE_ADMIN_TOKEN" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path / "nothere"), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("appliance quantize: ") and "nothere" in err and not (tmp_path / "dst").exists()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "x").write_text("")
+    assert main(["demo-model", str(tmp_path / "m")]) == 2
+
+
+def test_an_unreachable_appliance_is_exit_1(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "t")
+    assert main(["status", "--url", "http://127.0.0.1:9"]) == 1
+    assert "cannot reach" in capsys.readouterr().err

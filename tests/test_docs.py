@@ -25,3 +25,30 @@ def test_every_setting_is_documented_and_every_documented_key_exists():
     documented = set(re.findall(r"^\| `([a-z0-9_.]+)` \|", DOC.read_text(), re.M))
     assert setting_keys() - documented == set(), "undocumented settings"
     assert documented - setting_keys() == set(), "documented settings that do not exist"
+
+
+README = DOC.parents[1] / "README.md"
+
+
+def test_the_readme_commands_table_lists_every_command():
+    import argparse
+
+    from appliance.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    text = README.read_text()
+    table = text[text.index("## Commands"):].split("\n## ")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `appliance ")]
+    listed = {word for row in rows for word in re.findall(r"[a-z][a-z-]+", row.split("|")[1])}
+    assert set(commands) - listed == set(), "commands missing from README.md's table"
+
+
+def test_the_readme_opens_with_the_two_commands_then_what_you_get():
+    """The first screen: the commands to run, then the URLs they bring up, then how to serve one's own model."""
+    text = README.read_text()
+    first = text.index("make up")
+    for later in ("make test", "http://127.0.0.1:8000/v1", ":9090", ":9093", "APPLIANCE_MODEL="):
+        assert first < text.index(later), later
+    assert text.index("APPLIANCE_MODEL=") < text.index("download.pytorch.org")  # the wheel detail comes later
+    assert len(text[:text.index("APPLIANCE_MODEL=")].splitlines()) < 45

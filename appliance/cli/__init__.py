@@ -1,8 +1,10 @@
 """The ``appliance`` command line. Each subcommand is a thin shell over a module that does the work.
 
 One way to add a command: a module with ``register(subparsers)`` (see ``COMMANDS``), whose parsers are made
-with ``add_command`` so defaults show in ``--help``. Errors a user can fix are one line on stderr and an exit code
-from ``appliance.exit_codes``, never a traceback.
+with ``add_command`` so meaningful defaults show in ``--help`` (``build_parser`` gives every command the same
+formatter and, lacking one, its summary as description). URL options take ``argtypes.http_url`` or
+``argtypes.host_port``. Errors a user can fix are one line on stderr and an exit code from
+``appliance.exit_codes``, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib
 import sys
 
 from appliance import version
-from appliance.cli.common import CLIError
+from appliance.cli.common import CLIError, HelpFormatter
 from appliance.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
 
 # Modules that register subcommands, in the order `appliance --help` lists them.
@@ -53,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", dest="command")
     for module in COMMANDS:
         importlib.import_module(module).register(sub)
-    for command in sub.choices.values():  # every command's --help shows its defaults, however it was added
-        command.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    summaries = {action.dest: action.help for action in sub._choices_actions}
+    for name, command in sub.choices.items():  # however a command was added: its defaults, and a description
+        command.formatter_class = HelpFormatter
+        if not (command.description or "").strip():
+            command.description = summaries.get(name)
     return parser
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from appliance.cli.argtypes import http_url
 from appliance.cli.common import CLIError, add_command
 from appliance.exit_codes import EXIT_USAGE
 
@@ -37,14 +38,18 @@ def register(sub: Any) -> None:
 def _admin_flags(p: argparse.ArgumentParser) -> None:
     from appliance.admin_client import DEFAULT_URL, TOKEN_ENV
 
-    p.add_argument("--url", default=DEFAULT_URL, help=f"gateway URL; the admin token comes from ${TOKEN_ENV} or "
-                                                      "the admin-token file `appliance up` writes")
+    p.add_argument("--url", type=http_url, default=DEFAULT_URL,
+                   help=f"gateway URL (http://HOST:PORT or HOST:PORT); the admin token comes from ${TOKEN_ENV} or "
+                        "the admin-token file `appliance up` writes")
 
 
 def _call(url: str, method: str, path: str) -> dict:
-    """One admin call; its failures are one clear line on stderr and exit code 1."""
+    """One admin call; its failures are one clear line on stderr: exit code 2 when there is no admin token to
+    send (nothing was tried), 1 when the appliance cannot be reached or refuses."""
     from appliance import admin_client
 
+    if not admin_client.admin_token():
+        raise CLIError(admin_client.no_token_message(), EXIT_USAGE)
     try:
         return admin_client.call(url, method, path)
     except admin_client.AdminError as exc:

@@ -21,11 +21,24 @@ class CLIError(Exception):
         self.exit_code = exit_code
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it tells the reader something: not ``None`` or an empty list (the help says
+    what happens then), not the value of an on/off flag (its default is the opposite of giving it), and not
+    when the help already explains its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or default in ((), [], "")
+                or action.nargs == 0 or "default" in text.lower()):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_command(sub: Any, name: str, help: str, handler: Handler, *, config: bool = False,
                 description: str | None = None) -> argparse.ArgumentParser:
-    """A subcommand whose --help shows every default; ``config`` adds the --config flag."""
-    parser = sub.add_parser(name, help=help, description=description or help,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """A subcommand whose --help shows its meaningful defaults; ``config`` adds the --config flag."""
+    parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
     parser.set_defaults(handler=handler)
     if config:
         parser.add_argument("--config", type=Path, default=None,

@@ -9,6 +9,7 @@ from typing import Any
 
 from appliance.cli.argtypes import non_negative_float
 from appliance.cli.common import CLIError, add_command
+from appliance.exit_codes import EXIT_FAILED, EXIT_USAGE
 
 SCHEME_NAMES = ("int8", "fp8", "auto")  # appliance.model.precision's, without importing torch to parse
 
@@ -39,7 +40,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
     target: Path = args.dir
     if target.exists() and any(target.iterdir()) and not args.overwrite:
-        raise CLIError(f"{target} already exists and is not empty; add --overwrite to replace it")
+        raise CLIError(f"{target} already exists and is not empty; add --overwrite to replace it", EXIT_USAGE)
     build = {"overwrite": args.overwrite, "train_seconds": args.train_seconds}
     print(f"appliance demo-model: building in {target} (training takes about a minute)", flush=True)
     try:
@@ -56,11 +57,12 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from appliance.model.quality import QualityError
     from appliance.model.quantize import QuantizeError, quantize_checkpoint
 
     try:
         summary = quantize_checkpoint(args.src, args.dst, scheme=args.scheme, evaluate=not args.no_eval)
-    except QuantizeError as exc:
-        raise CLIError(str(exc)) from None
+    except QuantizeError as exc:  # input that cannot work (nothing written), unless the quality check itself failed
+        raise CLIError(str(exc), EXIT_FAILED if isinstance(exc.__cause__, QualityError) else EXIT_USAGE) from None
     print(json.dumps(summary, default=str))
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from appliance.admin_token import ensure_admin_token
+from appliance.cli.argtypes import host_port, optional_host_port
 from appliance.cli.common import add_command, load, setup_logging
 from appliance.config_view import config_dump, redact_argv
 from appliance.settings import ConfigError
@@ -26,9 +27,12 @@ def register(sub: Any) -> None:
     p = add_command(sub, "monitoring-config", "render Prometheus' and Alertmanager's configuration and the alert "
                                               "rules into a folder (compose init)", cmd_monitoring_config, config=True)
     p.add_argument("--out", type=Path, required=True, help="folder to write (created if missing)")
-    p.add_argument("--gateway", default="127.0.0.1:8000", help="gateway host:port as Prometheus reaches it")
-    p.add_argument("--alertmanager", default="127.0.0.1:9093", help="Alertmanager host:port; empty: none")
-    p.add_argument("--prometheus", default="localhost:9090", help="Prometheus' own host:port (self-scrape)")
+    p.add_argument("--gateway", type=host_port, default="127.0.0.1:8000",
+                   help="gateway HOST:PORT (or http://HOST:PORT) as Prometheus reaches it")
+    p.add_argument("--alertmanager", type=optional_host_port, default="127.0.0.1:9093",
+                   help="Alertmanager HOST:PORT; empty: none")
+    p.add_argument("--prometheus", type=host_port, default="localhost:9090",
+                   help="Prometheus' own HOST:PORT (self-scrape)")
     p.add_argument("--shared", action="store_true", help="make every file world-readable (other containers' users)")
 
     p = add_command(sub, "config", "print the effective configuration as YAML", cmd_config, config=True)

@@ -13,18 +13,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.cli.argtypes import (
     confidence,
     fraction,
+    http_url,
     int_list,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
 )
+from appliance.cli.common import HelpFormatter
 from appliance.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from appliance.loadtest.plan import KV_DTYPES  # standard library only, like the rest of the planner
 
@@ -32,7 +35,11 @@ if TYPE_CHECKING:  # the handlers import these when they run: `appliance status`
     from appliance.loadtest.bench import SLO, PromptSource, Target
     from appliance.loadtest.capacity import CapacityRun
 
-API_KEY_ENV = ("APPLIANCE_API_KEY", "OPENAI_API_KEY")
+# Where --api-key comes from when not given: the keys the appliance's gateway accepts (the first of them), then
+# the name this client read before it followed the server's (deprecated), then the OpenAI clients' variable.
+API_KEYS_ENV = "APPLIANCE_API_KEYS"
+DEPRECATED_API_KEY_ENV = "APPLIANCE_API_KEY"
+API_KEY_ENV = (API_KEYS_ENV, DEPRECATED_API_KEY_ENV, "OPENAI_API_KEY")
 
 
 # --- registration -------------------------------------------------------------------------------------------------
@@ -46,7 +53,8 @@ def register(subparsers: Any) -> None:
 
 
 def _add_plan(sub: Any) -> None:
-    p = sub.add_parser("plan", help="memory plan: weights, KV bytes per token, max concurrent sequences, flags",
+    p = sub.add_parser("plan", formatter_class=HelpFormatter,
+                       help="memory plan: weights, KV bytes per token, max concurrent sequences, flags",
                        description="Memory plan for one engine replica. Reserve for activations and overhead: "
                                    "1 GiB + the activation peak of one scheduler step + fp32 logits (override "
                                    "with --reserve-gib; vLLM logs its measured value at start).")
@@ -82,12 +90,15 @@ def _add_plan(sub: Any) -> None:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", type=http_url, required=True,
+                   help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 or localhost:8000 (a /v1 is dropped)")
     p.add_argument("--model", required=True, help="model name to send")
     p.add_argument("--out", type=Path, required=True, help="output folder for the reports")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="which OpenAI endpoint to load")
-    p.add_argument("--api-key", default=None, help=f"bearer token (default: ${' or $'.join(API_KEY_ENV)})")
+    p.add_argument("--api-key", default=None,
+                   help=f"bearer token (default: the first key of ${API_KEYS_ENV}, as the gateway reads it, else "
+                        f"${' or $'.join(API_KEY_ENV[1:])}; ${DEPRECATED_API_KEY_ENV} is deprecated)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="synthetic prompt length in tokens")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request")
     p.add_argument("--prompts", type=Path, help='JSONL of {"prompt": ...} or {"messages": [...]} instead')
@@ -99,11 +110,18 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lag-ms", type=positive_float, default=50.0,
                    help="refuse to report when the client's P99 scheduling lag exceeds this")
     p.add_argument("--confidence", type=confidence, default=0.95, help="confidence of each SLA decision")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar on stderr (shown otherwise)")
 
 
 def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="load test any OpenAI-compatible URL; JSON + Markdown + PNG reports")
+    p = sub.add_parser("bench", formatter_class=HelpFormatter,
+                       help="load test any OpenAI-compatible URL; JSON + Markdown + PNG reports",
+                       description="Load test an OpenAI-compatible server (the appliance, vLLM, anything else): a "
+                                   "closed loop (--concurrency) or Poisson arrivals (--rate), for --requests or "
+                                   "--duration, after a warm-up. Writes bench.json, bench.md, requests.jsonl and "
+                                   "bench.png to --out. Exit code 1 when the run is invalid, every request failed "
+                                   "or the SLA (--slo-*) is not met.")
     _add_target(p)
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=positive_int, help="closed loop: this many requests in flight")
@@ -119,7 +137,13 @@ def _add_bench(sub: Any) -> None:
 
 
 def _add_capacity(sub: Any) -> None:
-    p = sub.add_parser("capacity", help="max concurrency whose P95 meets the SLA, then an optional soak")
+    p = sub.add_parser("capacity", formatter_class=HelpFormatter,
+                       help="max concurrency whose P95 meets the SLA, then an optional soak",
+                       description="Find the highest concurrency whose P95 TTFT (and E2E, if given) meets the SLA: "
+                                   "C=1, doubling, then bisecting and a confirming re-run, each probe judged with "
+                                   "--confidence. Then, with --soak-minutes, hold that concurrency and report "
+                                   "drift in latency, memory and KV usage. Writes capacity.json, capacity.md, "
+                                   "requests.jsonl and PNG charts to --out.")
     _add_target(p)
     p.add_argument("--slo-ttft-p95-ms", type=positive_float, required=True, help="the SLA: P95 time to first token")
     p.add_argument("--slo-e2e-p95-ms", type=positive_float, help="the SLA's P95 end-to-end latency, if any")
@@ -135,7 +159,8 @@ def _add_capacity(sub: Any) -> None:
     p.add_argument("--client-retries", type=non_negative_int, default=2,
                    help="re-run a probe batch the client could not drive (lag over --max-lag-ms) this many times "
                         "before the search stops as invalid")
-    p.add_argument("--metrics-url", help="the appliance's /metrics (default: the URL's origin + /metrics)")
+    p.add_argument("--metrics-url", type=http_url,
+                   help="the appliance's /metrics (default: the URL's origin + /metrics)")
     p.add_argument("--memory-metric", help="host memory metric (default: appliance_engine_resident_memory_bytes, "
                                            "else process_resident_memory_bytes)")
     p.add_argument("--device-memory-metric", help="device memory metric (default: appliance_engine_gpu_memory_bytes, "
@@ -180,8 +205,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _target(args: argparse.Namespace) -> Target:
     from appliance.loadtest.bench import Target, normalize_base_url
 
-    key = args.api_key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+    key = args.api_key or api_key_from_env()
     return Target(normalize_base_url(args.url), args.model, args.endpoint, key, args.timeout, args.ignore_eos)
+
+
+def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer key for the appliance from the environment: the first of $APPLIANCE_API_KEYS (comma-separated,
+    the way the gateway's settings split it), else the deprecated $APPLIANCE_API_KEY, else $OPENAI_API_KEY."""
+    keys = [key.strip() for key in environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+    if keys:
+        return keys[0]
+    if environ.get(DEPRECATED_API_KEY_ENV):
+        print(f"appliance: ${DEPRECATED_API_KEY_ENV} is deprecated; set ${API_KEYS_ENV} (the gateway's name)",
+              file=sys.stderr)
+        return environ[DEPRECATED_API_KEY_ENV]
+    return environ.get("OPENAI_API_KEY") or None
 
 
 def _check_out(out: Path) -> None:
@@ -339,7 +377,7 @@ def capacity_report(run: CapacityRun, prompt_info: dict[str, Any]) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m appliance.loadtest``: the three commands without the rest of the appliance."""
-    parser = argparse.ArgumentParser(prog="appliance-loadtest")
+    parser = argparse.ArgumentParser(prog="appliance-loadtest", formatter_class=HelpFormatter)
     register(parser.add_subparsers(title="commands", required=True))
     args = parser.parse_args(argv)
     try:

@@ -269,7 +269,8 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         return {"model": asdict(self.model), "inputs": asdict(self.inputs), "params": self.params,
                 "weights": self.weights, "kv": self.kv, "memory": self.memory, "concurrency": self.concurrency,
-                "engine_flags": self.engine_flags, "settings": self.settings, "environment": self.environment,
+                "engine_flags": self.engine_flags, "settings": self.settings,
+                "settings_env": settings_env(self.settings), "environment": self.environment,
                 "fits": self.fits,
                 "warnings": self.warnings}
 
@@ -436,7 +437,8 @@ def _concurrency_table(plan: Plan) -> list[str]:
 
 
 def render_plan(plan: Plan) -> str:
-    """The plan for people: every number with its unit, then the flags to paste."""
+    """The plan for people: every number with its unit, then the appliance's ``engine:`` settings to paste (and
+    their APPLIANCE_ENGINE__* variables), then the same as vLLM flags."""
     w, kv, m, s = plan.weights, plan.kv, plan.memory, plan.model
     os_line = f", {_gib(m['os_reserve_bytes'])} left to the OS" if m["os_reserve_bytes"] else ""
     other = SIXTEEN_BIT if kv["kv_cache_dtype"] != "auto" else FP8
@@ -457,9 +459,34 @@ def render_plan(plan: Plan) -> str:
         f"KV budget: {_gib(m['kv_bytes'])} = {kv['blocks']} blocks of {kv['block_size']} "
         f"= {kv['capacity_tokens']} tokens at {kv['dtype']} ({other}: {kv['by_dtype'][other]['capacity_tokens']})",
         *_concurrency_table(plan),
-        "engine flags: " + " ".join(plan.engine_flags),
-        *[f"environment: {k}={v}" for k, v in plan.environment.items()],
         f"fits: {'yes' if plan.fits else 'NO'}",
+        *[f"warning: {x}" for x in plan.warnings],
+        "",
+        "# the appliance's settings: paste into the configuration file (--config) ...",
+        *settings_yaml(plan.settings),
+        "# ... or set them in the environment:",
+        *[f"{k}={v}" for k, v in settings_env(plan.settings).items()],
+        "",
+        "# the same as vLLM flags (what the appliance passes each engine; for vLLM run by hand):",
+        "# " + " ".join(plan.engine_flags),
+        *[f"# {k}={v}  (the appliance sets it from engine.{_ENV_SETTING[k]})" for k, v in plan.environment.items()],
     ]
-    lines += [f"warning: {x}" for x in plan.warnings]
     return "\n".join(lines) + "\n"
+
+
+# vLLM's environment variables the plan names, and the appliance setting each comes from.
+_ENV_SETTING = {"VLLM_CPU_KVCACHE_SPACE": "kv_cache_space_gib"}
+
+
+def _yaml_scalar(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_yaml(settings: dict[str, Any]) -> list[str]:
+    """The ``engine:`` section of the appliance's configuration file for these settings (YAML, line by line)."""
+    return ["engine:", *[f"  {key}: {_yaml_scalar(value)}" for key, value in settings.items()]]
+
+
+def settings_env(settings: dict[str, Any]) -> dict[str, str]:
+    """The same settings as APPLIANCE_ENGINE__* environment variables (the environment wins over the file)."""
+    return {f"APPLIANCE_ENGINE__{key.upper()}": _yaml_scalar(value) for key, value in settings.items()}

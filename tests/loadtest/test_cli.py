@@ -67,7 +67,7 @@ def test_bad_values_exit_2_and_write_nothing(tmp_path: Path, stub_server: Start,
     chat_only.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     cases = [
         (["bench", "--url", stub.url, *common, "--prompts", str(chat_only)], "use --endpoint chat"),
-        (["bench", "--url", "ftp://x", *common], "is not an http(s) URL"),
+        (["bench", "--url", "ftp://x", *common], "is not a URL"),
         (["bench", "--url", stub.url, *common[:-3], "--out", str(out), "--prompts", str(tmp_path / "none.jsonl")],
          "No such file"),
         (["bench", "--url", stub.url, *common, "--tokenizer", str(tmp_path)], "no tokenizer.json"),
@@ -140,3 +140,15 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert plan["kv"]["bytes_per_token"] == 131072 and plan["weights"]["bf16_bytes"] == 16_060_522_496
     assert run_cli(["plan", "--model-size", "llama-3-70b", "--memory-gib", "24", "--max-len", "4096"]) == 1
     assert "cannot fit" in capsys.readouterr().out
+
+
+def test_the_api_key_comes_from_the_gateways_variable_first(capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance.loadtest.cli import api_key_from_env
+
+    assert api_key_from_env({"APPLIANCE_API_KEYS": " k1 , k2", "APPLIANCE_API_KEY": "old"}) == "k1"
+    assert api_key_from_env({"APPLIANCE_API_KEYS": "k1", "OPENAI_API_KEY": "o"}) == "k1"
+    assert capsys.readouterr().err == ""
+    assert api_key_from_env({"APPLIANCE_API_KEYS": " ,", "APPLIANCE_API_KEY": "old"}) == "old"  # deprecated alias
+    assert "deprecated" in capsys.readouterr().err
+    assert api_key_from_env({"OPENAI_API_KEY": "o"}) == "o"
+    assert api_key_from_env({}) is None

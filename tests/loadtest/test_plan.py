@@ -319,3 +319,34 @@ def test_load_shape_errors(tmp_path: Path) -> None:
     empty.write_text("{}")
     with pytest.raises(PlanError, match="lacks"):
         load_shape(empty, None)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_text_plan_speaks_the_appliances_keys_first(device: str) -> None:
+    """The text plan's first recommendation is an `engine:` block to paste into the configuration file and the
+    matching APPLIANCE_ENGINE__* variables; vLLM's flags come after it, as a secondary view."""
+    import yaml
+
+    from appliance.settings import EngineSettings
+
+    plan = make_plan(KNOWN_SHAPES["demo"], PlanInputs(memory_gib=6.5, max_len=1024, device=device, reserve_gib=1,
+                                                      kv_dtype="fp8"))
+    text = render_plan(plan)
+    lines = text.splitlines()
+    start = lines.index("engine:")
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    pasted = yaml.safe_load("\n".join(block))["engine"]
+    assert pasted == plan.settings
+    assert EngineSettings(**pasted).max_num_seqs == plan.settings["max_num_seqs"]  # keys the appliance reads
+    for key, value in plan.settings.items():
+        assert f"APPLIANCE_ENGINE__{key.upper()}={value}" in text
+    first_flag = min(i for i, line in enumerate(lines) if "--max-num-seqs" in line)
+    assert start < first_flag and "vLLM flags" in lines[first_flag - 1] + lines[first_flag]
+    assert not any(line.startswith("VLLM_CPU_KVCACHE_SPACE=") or line.startswith("environment: VLLM")
+                   for line in lines)  # the appliance sets it from engine.kv_cache_space_gib
+    if device == "cpu":
+        assert "kv_cache_space_gib: 3" in text
