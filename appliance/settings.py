@@ -25,7 +25,13 @@ from pydantic_settings import (
 
 from appliance.collectors.settings import CollectorSettings
 from appliance.maintenance.settings import MaintenanceSettings
+from appliance.model.shape import ShapeError, max_model_len_from_config, read_config
 from appliance.monitoring.settings import MonitoringSettings
+
+# Without a model, `appliance up` builds and serves the demo model (appliance.model.demo): these are its name and
+# context length (its max_position_embeddings).
+DEMO_SERVED_MODEL_NAME = "demo"
+DEMO_MAX_MODEL_LEN = 1024
 
 
 class ConfigError(ValueError):
@@ -37,7 +43,10 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_model_len: int = Field(1024, ge=16, description="Longest prompt + completion, in tokens.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + completion, in tokens. Unset: the model's own limit from its "
+        "config.json, as vLLM derives it (1024 with no model: the demo model's)."
+    )
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched together per step (continuous batching).")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget per scheduler step; vLLM's default when unset."
@@ -275,7 +284,10 @@ class Settings(BaseSettings):
     )
 
     model: Path | None = Field(None, description="HF checkpoint directory; `appliance up` builds the demo model.")
-    served_model_name: str = Field("demo", min_length=1, description="Model name clients send.")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="Model name clients send. Unset: the model path as given, as vLLM does "
+        "(`demo` with no model: the demo model)."
+    )
     replicas: int = Field(1, ge=1, le=64, description="Engine replicas (processes).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when NVML sees a GPU.")
     host: str = Field("127.0.0.1", description="Gateway bind address.")
@@ -375,6 +387,26 @@ class Settings(BaseSettings):
             raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
         if self.role == "gateway" and self.engine_urls:
             raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        return self
+
+    @model_validator(mode="after")
+    def _model_defaults(self) -> Settings:
+        """The one place served_model_name and engine.max_model_len get their values when unset, so every reader
+        (the engines' flags, /v1/models, the gateway's max_tokens check, `appliance config`, reload) sees the
+        same concrete ones. With a model: vLLM's own defaults (the model path as given; the model's limit from
+        its config.json). Without one (`appliance up` builds the demo model): `demo` and 1024, the demo model's."""
+        if self.served_model_name is None:
+            self.served_model_name = str(self.model) if self.model is not None else DEMO_SERVED_MODEL_NAME
+        if self.engine.max_model_len is None:
+            if self.model is None:
+                length = DEMO_MAX_MODEL_LEN
+            else:
+                try:
+                    length = max_model_len_from_config(read_config(self.model)[0])
+                except ShapeError as exc:
+                    raise ValueError(f"engine.max_model_len is unset and the model's own limit cannot be read "
+                                     f"({exc}): set engine.max_model_len (APPLIANCE_ENGINE__MAX_MODEL_LEN)") from None
+            self.engine = self.engine.model_copy(update={"max_model_len": length})
         return self
 
     @model_validator(mode="after")

@@ -60,7 +60,8 @@ def main() -> None:
               "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.slo_ttft_ms / 2000)}
     engine_cores, other_cores = split_cores()
     with_admission = start([sys.executable, "-m", "appliance.cli", "serve"],
-                           {**common, "APPLIANCE_MODEL": str(model), "APPLIANCE_PORT": str(with_port),
+                           {**common, "APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo",
+                            "APPLIANCE_PORT": str(with_port),
                             "APPLIANCE_ENGINE_BASE_PORT": str(engine_port)}, logs / "with.log", engine_cores)
     procs = [with_admission]
     try:

@@ -96,7 +96,7 @@ def main() -> None:
     model = ensure_demo_model(Path(args.models_dir))
     logs = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     engine_port, gateway_port, router_port = args.base_port, args.base_port + 10, args.base_port + 20
-    env = {"APPLIANCE_MODEL": str(model), "APPLIANCE_PORT": str(gateway_port),
+    env = {"APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(gateway_port),
            "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_STATE_DIR": str(logs),
            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "256", "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency)}
     engine_cores, other_cores = split_cores()

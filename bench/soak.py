@@ -53,7 +53,8 @@ def start_appliance(args: argparse.Namespace, out: Path) -> tuple[subprocess.Pop
     port = 18700
     model = ensure_demo_model(args.models_dir)
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")} | {
-        "APPLIANCE_MODEL": str(model), "APPLIANCE_REPLICAS": str(args.replicas), "APPLIANCE_PORT": str(port),
+        "APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo",
+        "APPLIANCE_REPLICAS": str(args.replicas), "APPLIANCE_PORT": str(port),
         "APPLIANCE_ENGINE_BASE_PORT": str(port + 1), "APPLIANCE_STATE_DIR": str(out / "state"),
         "APPLIANCE_ENGINE__MAX_NUM_SEQS": "32", "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "60"}
     log = (out / "appliance.log").open("ab")

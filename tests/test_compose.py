@@ -177,3 +177,50 @@ def test_docs_name_one_compose_command() -> None:
     offenders = [f"{path.name}: {line.strip()}" for path in docs for line in path.read_text().splitlines()
                  if re.search(r"`docker-compose (up|down|ps|logs|restart|stop|build|exec)\b", line)]
     assert offenders == []
+
+
+def test_the_operator_env_file_reaches_the_appliance(tmp_path) -> None:
+    """Issue 19: engine and model settings in the operator's env file (APPLIANCE_ENV_FILE) reach the container;
+    compose.yaml's fixed list used to drop them (a real Llama served as `demo` with max_model_len 1024)."""
+    env_file = tmp_path / "appliance.env"
+    env_file.write_text("APPLIANCE_SERVED_MODEL_NAME=llama-3-8b\nAPPLIANCE_ENGINE__MAX_MODEL_LEN=8192\n"
+                        "APPLIANCE_ENGINE__KV_CACHE_DTYPE=fp8\n")
+    result = _compose_config({**REQUIRED_ENV, "APPLIANCE_ENV_FILE": str(env_file)})
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("appliance", "appliance-cpu"):
+        env = services[name]["environment"]
+        assert env["APPLIANCE_SERVED_MODEL_NAME"] == "llama-3-8b", name
+        assert env["APPLIANCE_ENGINE__MAX_MODEL_LEN"] == "8192", name
+        assert env["APPLIANCE_ENGINE__KV_CACHE_DTYPE"] == "fp8", name
+        assert "GRAFANA_ADMIN_PASSWORD" not in env  # the env file is the appliance's, not compose's .env
+
+
+def test_the_default_env_file_and_config_exist_and_set_nothing(services) -> None:
+    """docker-compose 1.29 (and Compose before v2.24) cannot make an env_file optional: the default one is
+    committed, and it and the default config file leave every setting at its default."""
+    from appliance.settings import load_settings
+
+    defaults = Settings().model_dump()
+    for name in ("appliance", "appliance-cpu"):
+        env = services[name]["environment"]
+        assert not [key for key in env if key.startswith(("APPLIANCE_ENGINE__", "APPLIANCE_SERVED"))]
+    assert (ROOT / "deploy" / "compose" / "appliance.env").is_file()
+    assert load_settings(ROOT / "deploy" / "compose" / "appliance.yaml").model_dump() == defaults
+
+
+def test_the_config_folder_is_mounted_read_only_and_read_at_start(services, tmp_path) -> None:
+    """`appliance reload` re-reads the --config file given at start: it must be a mounted file the operator edits.
+    A folder is mounted, not the file: an editor that saves by rename would leave a file mount on the old copy."""
+    for name in ("appliance", "appliance-cpu"):
+        service = services[name]
+        command = service["command"]
+        config = command[command.index("--config") + 1]
+        mounts = {target: (source, ro) for source, target, ro in _mounts(service)}
+        folder, file = config.rsplit("/", 1)
+        assert mounts[folder] == (str(ROOT / "deploy" / "compose"), True), mounts
+        assert (ROOT / "deploy" / "compose" / file).is_file()
+    result = _compose_config({**REQUIRED_ENV, "APPLIANCE_CONFIG_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    mounts = _mounts(yaml.safe_load(result.stdout)["services"]["appliance"])
+    assert (str(tmp_path), "/etc/appliance", True) in mounts

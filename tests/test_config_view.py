@@ -38,3 +38,19 @@ def test_show_secrets_prints_them():
 def test_plain_values_are_untouched():
     assert redact_argv(["--max-num-seqs", "8", "http://127.0.0.1:8100/x?y=1"]) == \
         ["--max-num-seqs", "8", "http://127.0.0.1:8100/x?y=1"]
+
+
+def test_appliance_config_prints_the_effective_served_name_and_length(tmp_path, monkeypatch, capsys):
+    """Issue 19: unset, they default as vLLM's do; `appliance config` shows the values the engines get."""
+    from appliance.cli import main
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    for key in [k for k in __import__("os").environ if k.startswith("APPLIANCE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("APPLIANCE_MODEL", str(tmp_path))
+    monkeypatch.setenv("APPLIANCE_DEVICE", "cpu")
+    assert main(["config", "--engines"]) == 0
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)
+    assert shown["served_model_name"] == str(tmp_path) and shown["engine"]["max_model_len"] == 4096
+    assert f"--served-model-name {tmp_path} " in out and "--max-model-len 4096 " in out

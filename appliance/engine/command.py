@@ -24,7 +24,9 @@ def engine_argv(
         "--served-model-name", served_model_name,
         "--host", host,
         "--port", str(port),
-        "--max-model-len", str(engine.max_model_len),
+        # Settings always fill it (the model's own limit when unset); an EngineSettings built alone may leave it
+        # unset, and vLLM then derives the same limit itself.
+        *(["--max-model-len", str(engine.max_model_len)] if engine.max_model_len is not None else []),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--dtype", engine.dtype,
         "--shutdown-timeout", str(engine.shutdown_timeout_seconds),

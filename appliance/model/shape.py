@@ -127,3 +127,28 @@ def load_model_shape(path: Path) -> ModelShape:
     """The shape of a checkpoint directory or config.json file, named after the directory (or file stem)."""
     cfg, file = read_config(path)
     return shape_from_config(cfg, file.parent.name if file.name == "config.json" else file.stem)
+
+
+# vLLM's own reading of a model's context limit (vllm/config: _get_and_verify_max_len): the smallest of these keys
+# the config (or its text_config) gives, scaled by a RoPE scaling factor, and 2048 when none is given.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_sequence_length", "max_seq_length", "seq_len")
+_UNSCALED_ROPE = ("su", "longrope", "llama3", "mrope", "default")
+VLLM_FALLBACK_MAX_MODEL_LEN = 2048
+
+
+def max_model_len_from_config(cfg: dict[str, Any]) -> int:
+    """The max_model_len vLLM derives for a checkpoint when ``--max-model-len`` is not given."""
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    limits = [int(cfg[key]) for key in _LENGTH_KEYS if isinstance(cfg.get(key), (int, float))]
+    if not limits:
+        return VLLM_FALLBACK_MAX_MODEL_LEN
+    length: float = min(limits)
+    rope = cfg.get("rope_scaling")
+    if isinstance(rope, dict):
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type not in _UNSCALED_ROPE and isinstance(rope.get("factor"), (int, float)):
+            if rope_type == "yarn" and isinstance(rope.get("original_max_position_embeddings"), int):
+                length = rope["original_max_position_embeddings"]
+            length *= rope["factor"]
+    return int(length)

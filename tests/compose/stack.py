@@ -21,6 +21,11 @@ from tests.integration.conftest import live_assets
 from tests.integration.harness import free_port_range
 
 REPO = Path(__file__).resolve().parents[2]
+# Set through the operator's env file (compose.yaml's env_file, APPLIANCE_ENV_FILE), not compose.yaml's own list:
+# issue 19 (they were silently dropped). Not the defaults (demo, 1024), so that the defaults cannot pass for them;
+# the length stays within the demo model's 1024 positions and above the drain test's 1000 generated tokens.
+SERVED_MODEL_NAME = "demo-compose"
+MAX_MODEL_LEN = 1016
 IMAGES = Path(__file__).resolve().parent / "images"
 SERVICES = ["appliance-cpu", "prometheus", "alertmanager"]  # Grafana: no Debian package; see test_compose.py
 
@@ -90,6 +95,9 @@ class ComposeStack:
         # or secrets) must not change the stack under test. docker-compose reads it unless given another file.
         self.env_file = self.workdir / "empty.env"
         self.env_file.write_text("")
+        self.appliance_env_file = self.workdir / "appliance.env"
+        self.appliance_env_file.write_text(f"APPLIANCE_SERVED_MODEL_NAME={SERVED_MODEL_NAME}\n"
+                                           f"APPLIANCE_ENGINE__MAX_MODEL_LEN={MAX_MODEL_LEN}\n")
 
     @property
     def gateway(self) -> str:
@@ -125,7 +133,8 @@ class ComposeStack:
         clean = {k: v for k, v in self.podman.env.items()
                  if not k.startswith(("APPLIANCE_", "GRAFANA_", "COMPOSE_", "PROMETHEUS_", "MONITORING_"))}
         return {**clean, "COMPOSE_PROFILES": "cpu", "APPLIANCE_ADMIN_TOKEN": self.admin_token,
-                "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8), **{k: str(v) for k, v in self.ports.items()}}
+                "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8), "APPLIANCE_ENV_FILE": str(self.appliance_env_file),
+                **{k: str(v) for k, v in self.ports.items()}}
 
     def command(self, *args: str) -> list[str]:
         return ["docker-compose", "-p", self.project, "--env-file", str(self.env_file),

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.compose.stack import ComposeStack
+from tests.compose.stack import MAX_MODEL_LEN, SERVED_MODEL_NAME, ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
 
@@ -42,7 +42,7 @@ def test_the_cpu_profile_builds_the_demo_model_as_its_user_and_streams(compose_s
     assert "APPLIANCE_MODEL=" not in env
     owner = exec_in(compose_stack, "appliance-cpu", "stat", "-c", "%u", "/var/lib/appliance/models/demo-int8")
     assert owner.strip() == "10001"
-    body = {"model": "demo", "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 16,
+    body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 16,
             "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{compose_stack.gateway}/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
@@ -51,6 +51,18 @@ def test_the_cpu_profile_builds_the_demo_model_as_its_user_and_streams(compose_s
     assert events[-1] == "data: [DONE]"
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_env_file_configures_the_model_and_the_engine(compose_stack: ComposeStack) -> None:
+    """Issue 19: the served name and max_model_len set in the operator's env file reach vLLM's command line and
+    the gateway's /v1/models (compose.yaml used to drop them: `demo` and 1024 whatever was configured)."""
+    argv = compose_stack.vllm_server().cmdline()
+    assert argv[argv.index("--served-model-name") + 1] == SERVED_MODEL_NAME, argv
+    assert argv[argv.index("--max-model-len") + 1] == str(MAX_MODEL_LEN), argv
+    card = httpx.get(f"{compose_stack.gateway}/v1/models", timeout=10).json()["data"][0]
+    assert (card["id"], card["max_model_len"]) == (SERVED_MODEL_NAME, MAX_MODEL_LEN)
+    # tini runs `appliance up ... --config FILE`: the file `appliance reload` reads again, mounted from the host.
+    assert "/etc/appliance/appliance.yaml" in compose_stack.init_process().cmdline()
 
 
 def test_vllm_gets_shared_memory_and_tini_is_pid_1(compose_stack: ComposeStack) -> None:
@@ -166,7 +178,8 @@ def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose
 
 
 def _stream(gateway: str, started: threading.Barrier, results: list[list[str]]) -> None:
-    body = {"model": "demo", "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = {"model": SERVED_MODEL_NAME, "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
     events: list[str] = []
     try:
         with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=300) as response:

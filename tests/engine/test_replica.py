@@ -220,6 +220,7 @@ def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
     from appliance.engine.supervisor import Supervisor, build_specs
     from appliance.settings import Settings
 
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint: settings read its max_model_len
     settings = Settings(model=tmp_path, replicas=2, device="cpu", state_dir=tmp_path)
     supervisor = Supervisor(build_specs(settings, tmp_path))
     supervisor.stage(settings.model_copy(update={"engine": settings.engine.model_copy(update={"max_num_seqs": 7})}))

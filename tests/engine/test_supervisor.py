@@ -18,6 +18,7 @@ from tests.engine.test_replica_lifecycle import FAKE_ENGINE, free_port
 
 
 def test_specs_get_consecutive_ports_disjoint_cores_and_their_own_logs(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint: settings read its max_model_len
     settings = Settings(model=tmp_path, replicas=2, engine_base_port=9100, device="cpu", state_dir=tmp_path)
     specs = build_specs(settings, tmp_path)
     assert [s.port for s in specs] == [9100, 9101]
@@ -28,6 +29,7 @@ def test_specs_get_consecutive_ports_disjoint_cores_and_their_own_logs(tmp_path:
 
 
 def test_specs_carry_the_engine_log_settings(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint: settings read its max_model_len
     settings = Settings(model=tmp_path, device="cpu", state_dir=tmp_path, engine_log_max_bytes=4096,
                         engine_log_backups=1, engine_log_stdout=True)
     (spec,) = build_specs(settings, tmp_path)

@@ -67,6 +67,8 @@ class ApplianceProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
         env.update({
             "APPLIANCE_MODEL": str(self.model),
+            # The tests ask for model "demo"; unset, the served name would be the model's path, as in vLLM.
+            "APPLIANCE_SERVED_MODEL_NAME": "demo",
             "APPLIANCE_REPLICAS": str(self.replicas),
             "APPLIANCE_PORT": str(self.port),
             "APPLIANCE_ENGINE_BASE_PORT": str(base),

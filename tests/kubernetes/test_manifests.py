@@ -6,6 +6,7 @@ dashboards/; promtool checks and tests the rules as the PrometheusRule carries t
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -190,3 +191,30 @@ def test_gpu_nodes_ask_for_gpus_and_only_gateways_reach_engines(rendered):
     components = {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
                   for p in sources if "namespaceSelector" not in p}
     assert components == {"gateway"}  # besides Prometheus (its own namespace) no one else
+
+
+def _dotted(mapping: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in mapping.items():
+        keys |= _dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def test_the_configmap_carries_the_model_keys_both_roles_must_agree_on(tmp_path, monkeypatch):
+    """Issue 19: gateway pods do not mount the model, so they cannot derive the served name or max_model_len as
+    node pods do: the shared ConfigMap sets both, and docs/kubernetes.md names every key it carries."""
+    from appliance.settings import load_settings
+
+    for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
+        monkeypatch.delenv(key)
+    path = DEPLOY / "base" / "appliance.yaml"
+    config = yaml.safe_load(path.read_text())
+    keys = _dotted(config)
+    assert {"served_model_name", "engine.max_model_len"} <= keys
+    settings = load_settings(path)
+    assert settings.served_model_name == config["served_model_name"]
+    assert settings.engine.max_model_len == config["engine"]["max_model_len"]
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    missing = [key for key in sorted(keys) if f"`{key}`" not in doc]
+    assert not missing, f"docs/kubernetes.md does not name the ConfigMap's keys {missing}"
+    assert "every key of configuration.md" not in doc
