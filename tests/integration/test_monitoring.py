@@ -134,6 +134,11 @@ def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_pa
     every metric needs a GPU (NVML, the CUDA allocator): on this CPU host those collectors are absent, by design
     and tested in tests/collectors. The maintenance panels show the restart of the test above and an operator's
     drain and undrain."""
+    # The drain must leave a replica the router would use: after the restart above, replica-1 may be ejected
+    # for a while (a slow first answer is a TTFT outlier), and maintenance then refuses the drain (409).
+    eventually(lambda: httpx.get(f"{stack.gateway}/health/ready", timeout=10).json()["routable_replicas"] == 2
+               and httpx.get(f"{stack.gateway}/health/ready", timeout=10).json()["ejected_replicas"] == 0, 120,
+               "both replicas routable and none ejected before the drain")
     for action in ("drain", "undrain"):
         response = httpx.post(f"{stack.gateway}/admin/replicas/replica-0/{action}", headers=ADMIN, timeout=10)
         assert response.status_code == 200, response.text
