@@ -64,6 +64,8 @@ COPY pyproject.toml README.md ./
 COPY appliance ./appliance
 COPY alerts ./alerts
 COPY dashboards ./dashboards
+# Served by the gateway at /runbooks/{alertname} (every alert's runbook_url; appliance/paths.py RUNBOOKS_DIR).
+COPY docs/runbooks ./docs/runbooks
 RUN pip install --no-index --no-deps --no-build-isolation . && rm -rf build *.egg-info
 # A fixed UID, so that a host folder mounted as APPLIANCE_MODELS_DIR can be given to it: chown 10001.
 # The models folder exists (owned by the appliance) so that a fresh named volume mounted there inherits it.

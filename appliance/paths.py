@@ -11,4 +11,5 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ALERTS_DIR = REPO_ROOT / "alerts"
 DASHBOARDS_DIR = REPO_ROOT / "dashboards"
+RUNBOOKS_DIR = REPO_ROOT / "docs" / "runbooks"  # served by the gateway at /runbooks/{alertname}
 DEFAULT_STATE_DIR = REPO_ROOT / "var"  # where `make up` keeps models, logs and the admin token

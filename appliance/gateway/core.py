@@ -21,7 +21,7 @@ from appliance.gateway.fleet_metrics import FleetCollector
 from appliance.gateway.metrics import RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
-from appliance.gateway.routes import health, metrics, openai
+from appliance.gateway.routes import health, metrics, openai, runbooks
 from appliance.gateway.tracing import build_tracer_provider
 from appliance.settings import Settings
 
@@ -46,7 +46,7 @@ class Gateway:
 
     @staticmethod
     def routes() -> list[APIRouter]:
-        return [openai.router, health.router, metrics.router]
+        return [openai.router, health.router, metrics.router, runbooks.router]
 
 
 def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,

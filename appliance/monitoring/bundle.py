@@ -15,6 +15,7 @@ from pathlib import Path
 
 from appliance.files import atomic_write_text
 from appliance.monitoring.alertmanager import render_alertmanager_config
+from appliance.monitoring.config import load_config
 from appliance.monitoring.prometheus import RULE_FILES, render_prometheus_config
 from appliance.paths import REPO_ROOT
 from appliance.settings import ConfigError, Settings
@@ -73,7 +74,10 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     bundle = Bundle(out)
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
-        atomic_write_text(bundle.rules_dir / name, (alerts / name).read_text(), mode=0o644)
+        text = (alerts / name).read_text()
+        if settings.monitoring.public_url:
+            text = with_public_url(text, alerts, settings.monitoring.public_url)
+        atomic_write_text(bundle.rules_dir / name, text, mode=0o644)
     token = sd_bearer_token(settings)
     atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
@@ -83,3 +87,13 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)
     return bundle
 
+
+
+def with_public_url(rules: str, alerts: Path, public_url: str) -> str:
+    """A rule file's text with every runbook_url annotation at ``public_url`` instead of the generated default
+    (alerts/config.yaml's ``appliance_url``): the one URL pattern, filled with the site's URL of its gateway."""
+    config = load_config(alerts / "config.yaml")
+    marker = "{alertname}"
+    default_prefix = config.runbook(marker).split(marker)[0]
+    public_prefix = config.runbook(marker, appliance_url=public_url).split(marker)[0]
+    return rules.replace(f"runbook_url: {default_prefix}", f"runbook_url: {public_prefix}")

@@ -43,6 +43,12 @@ class Selectors(_Model):
 
     appliance: str = Field(min_length=1)
     vllm: str = Field(min_length=1)
+    replica_owner: str = Field(min_length=1)  # ANDed with ``appliance`` where replicas are counted
+
+    @property
+    def owners(self) -> str:
+        """The appliance series of the processes that own engines: count each engine replica once."""
+        return f"{self.appliance},{self.replica_owner}"
 
 
 class AvailabilitySlo(_Model):
@@ -141,6 +147,7 @@ class MonitoringConfig(_Model):
     """The whole file. Consumers read attributes; nothing here has a default that the file does not state."""
 
     runbook_url: str
+    appliance_url: str = Field(pattern=r"^https?://[^/\s]+(/\S*)?$")
     selectors: Selectors
     inhibit_equal: tuple[str, ...]
     slos: Slos
@@ -162,9 +169,11 @@ class MonitoringConfig(_Model):
             raise ValueError(f"auto_remediated names unknown alerts: {unknown}")
         return self
 
-    def runbook(self, alertname: str) -> str:
-        """The runbook URL of one alert: the one pattern every annotation and dashboard link is built from."""
-        return self.runbook_url.replace("{alertname}", alertname)
+    def runbook(self, alertname: str, *, appliance_url: str | None = None) -> str:
+        """The runbook URL of one alert: the one pattern every annotation and dashboard link is built from.
+        ``appliance_url`` replaces the file's ``appliance_url`` (a site's public URL of the gateway)."""
+        base = (appliance_url or self.appliance_url).rstrip("/")
+        return self.runbook_url.replace("{appliance_url}", base).replace("{alertname}", alertname)
 
     @property
     def page_burn(self) -> float:

@@ -91,6 +91,7 @@ def recording_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     vllm = config.selectors.vllm
     errors = config.slos.availability.error_code_regex
     le = _le(config.slos.ttft.threshold_seconds)
+    owners = config.selectors.owners
 
     sli = []
     for w in config.sli_windows:
@@ -123,7 +124,11 @@ def recording_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
 
     fleet = [
         {"record": "job:appliance_replicas_ready:sum",
-         "expr": f'sum by (job) (appliance_replica_state{{{app},state="ready"}})'},
+         # Only the engines' owners (role all or node) count, each engine once. `or`: Kubernetes gateways up
+         # while no node pod reports at all is 0 ready (the page), not no sample; nothing up at all stays
+         # ApplianceDown's alone.
+         "expr": f'sum by (job) (appliance_replica_state{{{owners},state="ready"}})\n'
+                 f'or on (job)\n0 * count by (job) (up{{{app}}} == 1)\n'},
         {"record": "job:appliance_admission_rejections:ratio_rate5m",
          "expr": f"sum by (job) (rate(appliance_admission_rejections_total{{{app}}}[5m]))\n/\n"
                  f"sum by (job) (rate(appliance_requests_total{{{app}}}[5m]))\n"},

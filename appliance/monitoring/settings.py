@@ -30,6 +30,11 @@ class MonitoringSettings(BaseModel):
         15, ge=1, le=300, description="Prometheus scrape and rule evaluation interval."
     )
     retention: str = Field("15d", pattern=r"^\d+[smhdwy]$", description="Local Prometheus TSDB retention (e.g. 15d).")
+    public_url: str | None = Field(
+        None, pattern=r"^https?://[^/\s]+(/\S*)?$",
+        description="The gateway's URL as on-call's browser reaches it: alerts' runbook links become "
+                    "PUBLIC_URL/runbooks/ALERT (the gateway serves docs/runbooks/). Default: appliance_url in "
+                    "alerts/config.yaml (http://localhost:8000).")
     assets_dir: Path | None = Field(
         None, description="Folder holding alerts/ and dashboards/; default the source tree the package runs from."
     )

@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
-from tests.compose.stack import MAX_MODEL_LEN, SERVED_MODEL_NAME, ComposeStack
+from tests.compose.stack import MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
 
@@ -63,6 +64,16 @@ def test_the_env_file_configures_the_model_and_the_engine(compose_stack: Compose
     assert (card["id"], card["max_model_len"]) == (SERVED_MODEL_NAME, MAX_MODEL_LEN)
     # tini runs `appliance up ... --config FILE`: the file `appliance reload` reads again, mounted from the host.
     assert "/etc/appliance/appliance.yaml" in compose_stack.init_process().cmdline()
+
+
+def test_the_image_serves_the_runbooks_its_alerts_link(compose_stack: ComposeStack) -> None:
+    """Air-gapped sites: every alert's runbook_url points at the appliance's own /runbooks, so the image must carry
+    them (docs/runbooks, copied next to the package) and the gateway serve them."""
+    rules = yaml.safe_load((REPO / "alerts" / "alerts.rules.yaml").read_text())
+    names = [rule["alert"] for group in rules["groups"] for rule in group["rules"] if "alert" in rule]
+    for name in names:
+        response = httpx.get(f"{compose_stack.gateway}/runbooks/{name}", timeout=30)
+        assert response.status_code == 200 and response.text.startswith(f"# {name}"), (name, response.status_code)
 
 
 def test_vllm_gets_shared_memory_and_tini_is_pid_1(compose_stack: ComposeStack) -> None:

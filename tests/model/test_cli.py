@@ -34,7 +34,7 @@ def test_quantize_fp8_prints_the_summary(demo_model_dir: Path, tmp_path: Path,
 def test_bad_input_is_one_line(demo_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["quantize", str(demo_model_dir), str(tmp_path / "x"), "--scheme", "int4"]) == 2
     assert "invalid choice: 'int4'" in capsys.readouterr().err
-    assert run_cli(["quantize", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2  # bad input: exit_codes.USAGE, as the issue asked
+    assert run_cli(["quantize", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("appliance quantize: ") and "does not exist" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()

@@ -95,3 +95,19 @@ def test_engine_discovery_authenticates_when_api_keys_are_set(tmp_path) -> None:
     assert _sd_authorization(open_gateway) is None and "s3cret" not in open_gateway.prometheus_config.read_text()
     assert stat.S_IMODE(open_gateway.prometheus_config.stat().st_mode) == 0o644
     assert not list(tmp_path.rglob(".*"))
+
+
+def test_runbook_links_point_at_the_configured_public_url(tmp_path) -> None:
+    """Issue 19: every alert's runbook_url is the appliance's own /runbooks/ALERT; a site whose on-call reaches
+    the gateway at another URL sets monitoring.public_url and the bundle's rules say that URL."""
+    settings = Settings(monitoring={"public_url": "https://llm.example/appliance/"})
+    bundle = write_bundle(tmp_path, settings, gateway="appliance:8000", alertmanager=None,
+                          prometheus="localhost:9090", env={})
+    groups = yaml.safe_load((bundle.rules_dir / "alerts.rules.yaml").read_text())["groups"]
+    urls = {rule["alert"]: rule["annotations"]["runbook_url"] for group in groups for rule in group["rules"]}
+    assert urls and all(url == f"https://llm.example/appliance/runbooks/{name}" for name, url in urls.items()), urls
+    source = yaml.safe_load((assets_dir(settings) / "alerts" / "alerts.rules.yaml").read_text())["groups"]
+    for group in source:  # nothing else changed
+        for rule in group["rules"]:
+            rule["annotations"]["runbook_url"] = urls[rule["alert"]]
+    assert groups == source

@@ -455,7 +455,7 @@ def test_alert_thresholds_and_selectors_come_from_the_config() -> None:
     raw["alerts"]["ApplianceKVCacheNearFull"]["threshold"] = 0.85
     raw["alerts"]["ApplianceQueueBacklog"]["threshold"] = 40
     raw["alerts"]["ApplianceSlowModelLoad"]["threshold_seconds"] = 600
-    raw["selectors"] = {"appliance": 'job="edge-gateway"', "vllm": 'job="engines"'}
+    raw["selectors"] = {**raw["selectors"], "appliance": 'job="edge-gateway"', "vllm": 'job="engines"'}
     boards = dashboards.build_dashboards(parse_config(raw))
 
     def steps(uid: str, title: str) -> list[Any]:
@@ -547,3 +547,14 @@ def test_every_metric_the_rules_reference_exists() -> None:
     assert not missing, sorted(missing)
     assert {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"} <= {
         name for group in groups for rule in group["rules"] for name in metric_names(rule["expr"])}
+
+
+def test_replica_counts_exclude_the_gateway_pods_views() -> None:
+    """Issue 19: on Kubernetes gateway pods (role="gateway") export appliance_replica_state for the node pods'
+    engines too; a panel that counts replicas over every series counts each engine 1 + G times. Counting panels
+    select the engines' owners only (role all, or node), by the selector in alerts/config.yaml."""
+    counting = [(uid, expr) for uid, expr in expressions()
+                if re.search(r"\b(?:sum|count)\s*\(\s*appliance_replica_state\{", expr)]
+    assert counting, "no panel counts replicas any more"
+    for uid, expr in counting:
+        assert 'role!="gateway"' in expr, (uid, expr)

@@ -11,6 +11,7 @@ import yaml
 
 from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.monitoring import rules
+from appliance.monitoring.config import parse_config
 from appliance.settings import Settings
 
 from .conftest import ALERTS, REPO
@@ -103,7 +104,7 @@ def test_every_alert_is_labelled_and_annotated(alert_rules: list[dict], config: 
         assert rule["labels"]["severity"] in {"critical", "warning", "none"}, name
         annotations = rule["annotations"]
         assert annotations.get("summary") and annotations.get("description"), name
-        assert annotations["runbook_url"] == config["runbook_url"].replace("{alertname}", name)
+        assert annotations["runbook_url"] == parse_config(config).runbook(name), name  # the one pattern
 
 
 def test_contract_alert_names(alert_rules: list[dict]) -> None:

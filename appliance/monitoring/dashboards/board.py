@@ -27,12 +27,15 @@ class Selectors:
     gateway_replica: str  # the gateway's per-replica series, filtered by $replica
     engine: str  # vLLM's series (the engines' own /metrics), filtered by $replica and $model
     engine_unfiltered: str  # vLLM's series, every replica and model (variable queries)
+    owners: str = ""  # the series of the processes that own engines (replica counts: each engine once)
+    owners_replica: str = ""  # the same, filtered by $replica
 
     @classmethod
     def of(cls, config: MonitoringConfig) -> Selectors:
         gateway, engine = config.selectors.appliance, config.selectors.vllm
         return cls(gateway=gateway, gateway_replica=f'{gateway}, replica=~"$replica"',
-                   engine=f'{engine}, replica=~"$replica", model=~"$model"', engine_unfiltered=engine)
+                   engine=f'{engine}, replica=~"$replica", model=~"$model"', engine_unfiltered=engine,
+                   owners=config.selectors.owners, owners_replica=f'{config.selectors.owners}, replica=~"$replica"')
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
     config = resolve(config)
     sel = Selectors.of(config)
     gw, gw_replica = sel.gateway, sel.gateway_replica
-    coded = " + ".join(f'{i} * sum by (replica) (appliance_replica_state{{{gw_replica}, state="{name}"}})'
+    owners, owners_replica = sel.owners, sel.owners_replica  # replica states: each engine once (no gateway pods)
+    coded = " + ".join(f'{i} * sum by (replica) (appliance_replica_state{{{owners_replica}, state="{name}"}})'
                        for i, (name, _) in enumerate(REPLICA_STATES, 1))
     panels = [
-        stat(1, "Ready replicas", target(f'sum(appliance_replica_state{{{gw}, state="ready"}})'), unit="none",
+        stat(1, "Ready replicas", target(f'sum(appliance_replica_state{{{owners}, state="ready"}})'), unit="none",
              thresholds=[(None, "red"), (1, "green")], links=runbooks(config, "ApplianceNoReadyReplica"),
              description="Replicas in the ready state."),
-        stat(2, "Draining", target(f'sum(appliance_replica_state{{{gw}, state="draining"}})'), unit="none",
+        stat(2, "Draining", target(f'sum(appliance_replica_state{{{owners}, state="draining"}})'), unit="none",
              thresholds=[(None, "green"), (1, "yellow")], links=runbooks(config, DRAIN_STUCK),
              description="Replicas draining: finishing in-flight requests, receiving no new ones."),
         stat(3, "Hung replicas", target(f"sum(appliance_replica_hung{{{gw}}})"), unit="none",
@@ -66,8 +67,9 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
         timeseries(10, "Time since last restart",
                    target(f"time() - appliance_replica_last_restart_timestamp_seconds{{{gw_replica}}}", "{{replica}}"),
                    unit="s", description="Age of each replica's current engine since its latest restart."),
-        timeseries(11, "Drains", target(f'sum by (replica) (appliance_replica_state{{{gw_replica}, state="draining"}})',
-                                        "draining {{replica}}"),
+        timeseries(11, "Drains",
+                   target(f'sum by (replica) (appliance_replica_state{{{owners_replica}, state="draining"}})',
+                          "draining {{replica}}"),
                    target(increase("appliance_maintenance_actions_total", gw + ', action=~"drain.*"', by="result"),
                           "drain actions {{result}}"),
                    unit="none", links=runbooks(config, DRAIN_STUCK),
@@ -82,8 +84,8 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
         timeseries(13, "Hung flag by replica", target(f"appliance_replica_hung{{{gw_replica}}}", "{{replica}}"),
                    unit="none", min_=0, max_=1, links=runbooks(config, HUNG),
                    description="1 while a replica is judged hung (requests in flight, no tokens produced)."),
-        timeseries(14, "Readiness", target(f'sum(appliance_replica_state{{{gw}, state="ready"}})', "ready"),
-                   target(f'count(appliance_replica_state{{{gw}, state="ready"}})', "replicas"),
+        timeseries(14, "Readiness", target(f'sum(appliance_replica_state{{{owners}, state="ready"}})', "ready"),
+                   target(f'count(appliance_replica_state{{{owners}, state="ready"}})', "replicas"),
                    unit="none", links=runbooks(config, "ApplianceNoReadyReplica", NOT_READY),
                    description="Ready replicas against configured replicas; the gap is capacity lost "
                                             "to restarts, drains and failures."),

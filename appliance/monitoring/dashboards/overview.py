@@ -71,7 +71,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
              links=runbooks(config, AVAILABILITY_BURN),
              description=f"Error ratio over the availability error budget ({availability_budget:.2%}); 1 = on "
                          f"budget, {page_burn:g} pages."),
-        stat(6, "Ready replicas", target(f'sum(appliance_replica_state{{{gw}, state="ready"}})'), unit="none",
+        stat(6, "Ready replicas", target(f'sum(appliance_replica_state{{{sel.owners}, state="ready"}})'), unit="none",
              thresholds=[(None, "red"), (1, "green")], links=runbooks(config, "ApplianceNoReadyReplica"),
              description="Replicas the gateway routes to. Zero means every request fails (no ready replica)."),
     ]
