@@ -194,8 +194,9 @@ class AdmissionSettings(BaseModel):
     enabled: bool = Field(True, description="Off: every request goes straight to a replica (no 429s, no queue).")
     max_queue: int = Field(256, ge=0, description="Requests that may wait in the gateway; beyond it: 429.")
     queue_timeout_seconds: float = Field(
-        10.0, gt=0, description="Longest a request waits in the gateway queue before a 429; to protect the SLO keep "
-        "it below slo_ttft_p95_seconds (a request that waited longer can no longer make it)."
+        10.0, gt=0, description="Longest a request waits in the gateway queue before a 429. The default favours "
+        "answering late over refusing (batch clients, the CPU demo); for interactive traffic under a strict TTFT "
+        "SLO set it below slo_ttft_p95_seconds (a request that waited longer can no longer make it)."
     )
     initial_limit: int | None = Field(
         None, ge=1, description="Starting concurrency limit per replica; default engine.max_num_seqs."
