@@ -34,11 +34,20 @@ FROM wheels AS engine-venv
 ARG ENGINE_BUILD=gpu
 # Only pyproject.toml: an edit of README.md (or of the code) must not reinstall gigabytes of dependencies.
 COPY pyproject.toml /tmp/deps/
+# One wheelhouse may hold both torch builds, and pip prefers torch==X+cpu to torch==X (a higher local version),
+# which also satisfies vllm's pin: the GPU image excludes the +cpu build and checks that torch has CUDA.
 RUN mkdir /tmp/deps/appliance && touch /tmp/deps/appliance/__init__.py /tmp/deps/README.md \
+    && if [ "$ENGINE_BUILD" = gpu ]; then \
+         ls /wheelhouse | sed -n 's/^torch-\([0-9.]*+cpu\)-.*/torch!=\1/p' >/tmp/deps/constraints.txt; \
+       else : >/tmp/deps/constraints.txt; fi \
     && python3 -m venv /opt/venv \
-    && pip install --no-index --find-links /wheelhouse "setuptools>=68" "/tmp/deps[${ENGINE_BUILD}]" \
+    && pip install --no-index --find-links /wheelhouse -c /tmp/deps/constraints.txt \
+       "setuptools>=68" "/tmp/deps[${ENGINE_BUILD}]" \
     && pip uninstall -y appliance \
-    && if [ "$ENGINE_BUILD" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
+    && if [ "$ENGINE_BUILD" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi \
+    && if [ "$ENGINE_BUILD" = gpu ]; then \
+         python3 -c 'import sys, torch; sys.exit(None if torch.version.cuda else f"torch {torch.__version__}: no CUDA")'; \
+       fi
 
 # Small image for `appliance monitoring-config`: the package without the engine and its GBs of dependencies.
 FROM base AS config

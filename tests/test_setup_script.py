@@ -148,7 +148,7 @@ case "$1 $2 $3" in
   "-c "*) echo "{major}.{minor}";;
   "-m pip wheel") shift 3; while [ "$1" != --wheel-dir ]; do shift; done
     extras=$(printf '%s\\n' "$@" | sed -n 's/^\\.\\[\\(.*\\)\\]$/\\1/p' | tr , _)
-    touch "$2/fake_$extras-1.0-py3-none-any.whl";;
+    touch "$2/fake_$extras-1.0-py3-none-any.whl"; [ -z "$STUB_TORCH" ] || touch "$2/$STUB_TORCH";;
   "-m pip --version") echo "pip 24.0";;
 esac
 """)
@@ -168,7 +168,8 @@ def test_build_wheelhouse_builds_again_for_other_extras(tmp_path: Path) -> None:
     assert _build_wheelhouse(repo, env).returncode == 0
     again = _build_wheelhouse(repo, env)
     assert again.returncode == 0 and "up to date" in again.stdout  # same inputs: nothing to do
-    gpu = _build_wheelhouse(repo, env, APPLIANCE_WHEELHOUSE_EXTRAS="gpu")
+    gpu = _build_wheelhouse(repo, env, APPLIANCE_WHEELHOUSE_EXTRAS="gpu",
+                            STUB_TORCH="torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl")
     assert gpu.returncode == 0, gpu.stderr
     assert "fake_gpu-1.0-py3-none-any.whl" in (repo / "wheelhouse" / "INDEX").read_text()
 
@@ -189,3 +190,23 @@ def test_build_wheelhouse_refuses_a_python_other_than_the_images(tmp_path: Path)
     assert result.returncode == 2
     assert "Python 3.12" in result.stderr and "Python 3.11" in result.stderr
     assert not (repo / "wheelhouse").exists()
+
+
+def test_a_gpu_wheelhouse_without_torchs_cuda_build_is_refused(tmp_path: Path) -> None:
+    """Found building the GPU wheelhouse on a CPU machine: pip's configured sources offered torch==2.13.0+cpu,
+    which satisfies vllm's torch==2.13.0 pin, so the 'GPU' wheelhouse held vllm with CPU torch only (exit 0)."""
+    repo, env = _wheelhouse_checkout(tmp_path, "3.11")
+    cpu_torch = _build_wheelhouse(repo, env, APPLIANCE_WHEELHOUSE_EXTRAS="gpu",
+                                  STUB_TORCH="torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+    assert cpu_torch.returncode == 1 and "no CUDA build of torch" in cpu_torch.stderr
+    assert not (repo / "wheelhouse" / ".complete").exists()  # not stamped: the next run tries again
+    # Both builds in one wheelhouse (the CPU run's +cpu wheel stays): fine, the Dockerfile excludes +cpu for GPU.
+    cuda_torch = _build_wheelhouse(repo, env, APPLIANCE_WHEELHOUSE_EXTRAS="gpu",
+                                   STUB_TORCH="torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl")
+    assert cuda_torch.returncode == 0, cuda_torch.stderr
+
+
+def test_the_gpu_image_excludes_torchs_cpu_build_and_checks_for_cuda() -> None:
+    """One ./wheelhouse serves both images, and pip prefers torch==X+cpu over torch==X (a higher local version)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "torch!=" in dockerfile and "torch.version.cuda" in dockerfile
