@@ -46,3 +46,14 @@ def test_other_paths_under_runbooks_are_404(client) -> None:
         response = client.get(path)
         assert response.status_code == 404, path
         assert "[project]" not in response.text
+
+
+def test_the_runbooks_beside_the_assets_are_served(make_client, tmp_path) -> None:
+    """Found by the compose test: in the image the package is installed in site-packages, and the runbooks lie
+    with the alerts and dashboards under monitoring.assets_dir (/opt/appliance): every runbook was a 404."""
+    books = tmp_path / "docs" / "runbooks"
+    books.mkdir(parents=True)
+    (books / "ApplianceDown.md").write_text("# ApplianceDown\n\nfrom the assets\n")
+    client = make_client(monitoring={"assets_dir": str(tmp_path)})
+    assert client.get("/runbooks/ApplianceDown").text == "# ApplianceDown\n\nfrom the assets\n"
+    assert client.get("/runbooks/ApplianceNoReadyReplica").status_code == 404  # only that folder

@@ -4,6 +4,10 @@ Every alert's ``runbook_url`` and every dashboard's runbook link points here by 
 alerts/config.yaml), so on-call reads the runbook of the running version, also where GitHub cannot be reached
 (air-gapped sites). Open like /health: runbooks hold no secret. Only the names of the ``.md`` files in the
 runbooks folder are served, looked up in its listing (never a path built from the request); anything else is 404.
+
+The folder is ``docs/runbooks`` under the appliance's assets (``monitoring.assets_dir``, where the image copies
+alerts, dashboards and runbooks: the installed package there lives in site-packages, away from them), else
+under the source tree.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from appliance.paths import RUNBOOKS_DIR
+from appliance.paths import REPO_ROOT, RUNBOOKS_DIR
+from appliance.settings import Settings
 
 router = APIRouter(prefix="/runbooks", tags=["runbooks"])
 
@@ -31,6 +36,13 @@ def runbook_path(name: str, directory: Path = RUNBOOKS_DIR) -> Path | None:
     return books.get(stem)
 
 
+def runbooks_dir(settings: Settings) -> Path:
+    """Where the runbooks of this installation are: beside its alerts and dashboards."""
+    if settings.monitoring.assets_dir is None:
+        return RUNBOOKS_DIR
+    return settings.monitoring.assets_dir / RUNBOOKS_DIR.relative_to(REPO_ROOT)
+
+
 def _markdown(path: Path | None) -> Response:
     if path is None:
         return PlainTextResponse("no such runbook\n", status_code=404)
@@ -38,11 +50,11 @@ def _markdown(path: Path | None) -> Response:
 
 
 @router.get("/", include_in_schema=False)
-async def index() -> Response:
+async def index(request: Request) -> Response:
     """The runbook index (docs/runbooks/README.md)."""
-    return _markdown(runbook_path("README"))
+    return _markdown(runbook_path("README", runbooks_dir(request.app.state.settings)))
 
 
 @router.get("/{alertname}")
-async def runbook(alertname: str) -> Response:
-    return _markdown(runbook_path(alertname))
+async def runbook(alertname: str, request: Request) -> Response:
+    return _markdown(runbook_path(alertname, runbooks_dir(request.app.state.settings)))
