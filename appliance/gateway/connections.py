@@ -33,11 +33,11 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from appliance.http.errors import error_body
+from appliance.gateway.limits import RETRY_AFTER_SECONDS
+from appliance.http.errors import error_body, error_response
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_SECONDS = 1
 LOG_EVERY_SECONDS = 10.0
 
 
@@ -164,11 +164,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         status, message, code, headers = refused
         _warnings.warn(code, f"refused a request from {self.client}: {message}")
         self._close_after_answer = True
-        body = json.dumps(error_body(status, message, code=code)).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            *((name.encode(), value.encode()) for name, value in headers.items())]})
-        await send({"type": "http.response.body", "body": body})
+        await error_response(status, message, code=code, headers=headers)(scope, receive, send)
 
     # -- after an answer: close rather than read a body nobody reads ---------------------------------------------
 

@@ -22,14 +22,13 @@ reading a body the app did not read, and closes (a lingering close, so the clien
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.http.auth import refusal
-from appliance.http.errors import APIError, ErrorHook, error_body
+from appliance.http.errors import APIError, ErrorHook, error_response
 
 RETRY_AFTER_SECONDS = 1  # a full budget frees as uploads finish (or time out): retry soon, or elsewhere
 
@@ -149,15 +148,15 @@ class RequestIntake:
         denied = refusal(scope["app"].state.settings, route_path(scope),
                          authorization.decode("latin-1") if authorization is not None else None)
         if denied is not None:
-            await self._answer(scope, send, denied)
+            await self._answer(scope, receive, send, denied)
             return
         declared = headers.get(b"content-length")
         size = int(declared) if declared is not None and declared.isdigit() else None
         if size is not None and size > self.max_bytes:
-            await self._answer(scope, send, BodyTooLarge(self.max_bytes).as_api_error())
+            await self._answer(scope, receive, send, BodyTooLarge(self.max_bytes).as_api_error())
             return
         if size and not self.budget.take(size):
-            await self._answer(scope, send, BodyBudgetExhausted(self.budget.limit).as_api_error())
+            await self._answer(scope, receive, send, BodyBudgetExhausted(self.budget.limit).as_api_error())
             return
         body = _Body(receive, self, held=size or 0)
         try:
@@ -165,18 +164,16 @@ class RequestIntake:
             # whole body before answering, so a refused body is always caught before the response starts.
             await self.app(scope, body.receive, send)
         except IntakeRefusal as exc:  # read outside FastAPI's handlers: answer here
-            await self._answer(scope, send, exc.as_api_error())
+            await self._answer(scope, receive, send, exc.as_api_error())
         finally:
             body.release()
 
-    async def _answer(self, scope: Scope, send: Send, error: APIError) -> None:
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
         if self.on_reject is not None:
             self.on_reject(scope["path"], scope, error.status)
-        body = json.dumps(error_body(error.status, error.message, param=error.param, code=error.code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        response = error_response(error.status, error.message, param=error.param, code=error.code,
+                                  headers=error.headers)
+        await response(scope, receive, send)
 
 
 def route_path(scope: Scope) -> str:
