@@ -27,6 +27,11 @@ SHARED_ENV = {
     # routable replica during a planned restart (test_rolling_restart.py) wait in the gateway queue that long
     # instead of getting a 429. No other test queues for long: their concurrency stays under the limits.
     "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "300",
+    # The production 300 s for an engine to start (and for a restarted replica to be back) is too little here:
+    # under test_rolling_restart.py's steady load while the compose images build in the background (scripts/test),
+    # a CI run saw a restarting engine still not ready after 300 s. These bound a hang, not a speed.
+    "APPLIANCE_ENGINE__START_TIMEOUT_SECONDS": "600",
+    "APPLIANCE_MAINTENANCE__RESTART_READY_TIMEOUT_SECONDS": "600",
 }
 
 
