@@ -21,6 +21,9 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.
 # Client routes whose answers appliance_requests_total counts, by path; the label is the proxy's route name.
 CLIENT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 COUNTED = "appliance.counted"  # set in the ASGI scope once a request's answer is counted
+# appliance_stream_migrations_total's labels (appliance.gateway.migration names the same values).
+MIGRATION_REASONS = ("connection", "idle_timeout", "engine_error", "drain")
+MIGRATION_OUTCOMES = ("continued", "failed", "ineligible", "exhausted")
 
 
 def buckets_with(base: Iterable[float], thresholds: Iterable[float]) -> tuple[float, ...]:
@@ -55,6 +58,23 @@ class RequestMetrics:
                                     buckets=buckets_with(LATENCY_BUCKETS, [0.001]), registry=registry)
         self.tokens = Counter("appliance_tokens", "Tokens processed, from the engines' usage reports.",
                               ["kind"], registry=registry)
+        # Stream migration (appliance.gateway.migration): reason and outcome are from fixed tuples there.
+        self.migrations = Counter("appliance_stream_migrations", "Broken upstream answers the gateway tried to "
+                                  "continue on another replica, by why they broke (connection, idle_timeout, "
+                                  "engine_error, drain) and what came of it (continued, failed, ineligible, "
+                                  "exhausted).", ["reason", "outcome"], registry=registry)
+        self.migration_replayed_tokens = Counter("appliance_stream_migration_replayed_tokens",
+                                                 "Tokens a continuation made its new replica prefill again: the "
+                                                 "original prompt plus the tokens already sent.", registry=registry)
+        self.migration_added_seconds = Histogram("appliance_stream_migration_added_seconds",
+                                                 "Time from a stream's break to the first event of its "
+                                                 "continuation relayed to the client.", ["route"],
+                                                 buckets=LATENCY_BUCKETS, registry=registry)
+        for reason in MIGRATION_REASONS:  # every series from the start: 0 is an answer, an absent series is not
+            for outcome in MIGRATION_OUTCOMES:
+                self.migrations.labels(reason, outcome)
+        for route in CLIENT_ROUTES.values():
+            self.migration_added_seconds.labels(route)
 
     def count_unproxied(self, path: str, scope: MutableMapping[str, Any], status: int) -> None:
         """Count a client route's answer the proxy never saw (rejected by validation, auth, size, drain, or an

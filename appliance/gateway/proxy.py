@@ -15,6 +15,13 @@ stream settles what it holds when it is served, including when its body was neve
 
 Timeouts: a request that outlives ``request_timeout_seconds`` is the request's own length (a long max_tokens),
 not the replica's fault, so it does not count toward ejection; connect and idle-read timeouts do.
+
+Migration (``appliance.gateway.migration``): with ``routing.migration_limit`` > 0, a stream that breaks after its
+first byte (connection reset or closed before [DONE], idle timeout, the engine's own 5xx error event, a drain that
+timed out) is continued on another replica from the exact token where it broke, in the same client stream,
+instead of ending with an error event. The continuation runs under the same exchange and holds one slot at a
+time: the broken replica's lease is settled (as a failure) before the next replica's is taken. A non-streaming
+request whose answer broke mid-body is sent again, whole, to another replica: nothing of it reached the client.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
-from appliance.engine.contract import Replica
+from appliance.engine.contract import Replica, ReplicaState
+from appliance.gateway import migration
 from appliance.gateway.admission import Admission
 from appliance.gateway.metrics import COUNTED, RequestMetrics
 from appliance.gateway.router import Outcome
@@ -49,11 +57,17 @@ FORWARDED_HEADERS = ("content-type", "x-request-id")
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 RETRYABLE_STATUS = frozenset({502, 503})
 UPSTREAM_KEEPALIVE_SECONDS = 4.0
+CONTINUATION_RETRY_SECONDS = 0.1  # how often a continuation that found no replica looks again
 T = TypeVar("T")
 
 
 class RetryableUpstreamError(Exception):
     """The replica failed before it could have done any work; another replica may take the request."""
+
+
+class RerunElsewhere(RetryableUpstreamError):
+    """A non-streaming answer broke mid-body (the engine died): nothing reached the client, so the whole request
+    is sent again to another replica, within the migration budget rather than the retry attempts."""
 
 
 def never_reached_engine(exc: BaseException) -> bool:
@@ -102,6 +116,10 @@ class Exchange:
     upstream: aiohttp.ClientResponse | None = None  # the current attempt's response, until settled
     handed_off: bool = False  # a RelayedStream owns the lease and upstream from here on
     counted: bool = False  # the request's outcome is counted (once)
+    migration_limit: int = 0  # continuations this request may be given (routing.migration_limit; 0: none)
+    migrations: int = 0  # continuations it was given
+    ledger: migration.StreamLedger | None = None  # a migratable stream's record of what the client was sent
+    refused: str | None = None  # why its stream could not be continued, if it could not
 
     @property
     def replica(self) -> Replica:
@@ -173,6 +191,7 @@ class Upstream:
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
                             request=request, routing=None if prompt is None else RoutingRequest(prompt))
+        self._plan_migration(exchange)
         try:
             response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
             if isinstance(response, RelayedStream):
@@ -193,19 +212,63 @@ class Upstream:
             if not exchange.handed_off:  # whatever happened, nothing outlives the request unowned
                 exchange.settle(Outcome.ABORTED)
 
+    def _plan_migration(self, exchange: Exchange) -> None:
+        """Whether this request's stream may be continued elsewhere; if so, ask the engine for token ids."""
+        settings = getattr(exchange.request.app.state, "settings", None)
+        if settings is None or settings.routing.migration_limit <= 0:
+            return
+        exchange.migration_limit = settings.routing.migration_limit
+        if not exchange.stream:
+            return  # a broken non-streaming answer is simply sent again (RerunElsewhere)
+        try:
+            body = json.loads(exchange.body)
+        except ValueError:
+            return
+        exchange.refused = migration.refusal(exchange.route, body)
+        if exchange.refused is None:
+            exchange.ledger = migration.StreamLedger(exchange.route, body,
+                                                     max_model_len=settings.engine.max_model_len)
+            exchange.body = migration.with_token_ids(exchange.body)
+
     async def _forward_with_retry(self, exchange: Exchange) -> Response:
         last_error = "no attempt"
-        for _ in range(self.max_attempts):
-            exchange.lease = await self._admit(exchange)
+        attempts = 0
+        rerun: str | None = None  # a non-streaming answer broke: the reason its re-run is for
+        patient = False  # a retry whose only other replicas are ejected for now waits for one (_admit_patiently)
+        while attempts < self.max_attempts:
+            exchange.lease = await (self._admit_patiently(exchange) if patient else self._admit(exchange))
             replica = exchange.replica
             try:
-                return await self._send(exchange)
+                response = await self._send(exchange)
+            except RerunElsewhere as exc:
+                if rerun is not None:
+                    self.metrics.migrations.labels(rerun, migration.FAILED).inc()
+                rerun = migration.DRAIN if _draining(replica) else migration.CONNECTION
+                exchange.tried.add(replica.name)
+                last_error = str(exc)
+                log.warning("%s failed mid-answer (%s); running the request again elsewhere", replica.name, exc)
+                if not self.admission.router.any_eligible(exchange.tried):
+                    break
+                continue
             except RetryableUpstreamError as exc:
+                attempts += 1
                 exchange.tried.add(replica.name)
                 last_error = str(exc)
                 log.warning("%s failed before first byte (%s); retrying elsewhere", replica.name, exc)
                 if not self.admission.router.any_eligible(exchange.tried):
-                    break
+                    if not self._routable_besides(exchange.tried):
+                        break
+                    patient = True  # e.g. the engine died while the other replica sat out a TTFT ejection
+                continue
+            except BaseException:
+                if rerun is not None:
+                    self.metrics.migrations.labels(rerun, migration.FAILED).inc()
+                raise
+            if rerun is not None:
+                self.metrics.migrations.labels(rerun, migration.CONTINUED).inc()
+            return response
+        if rerun is not None:
+            self.metrics.migrations.labels(rerun, migration.FAILED).inc()
         raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
 
     async def _admit(self, exchange: Exchange) -> Lease:
@@ -247,8 +310,9 @@ class Upstream:
             exchange.settle(Outcome.FAILURE)
             raise RetryableUpstreamError(f"HTTP {upstream.status}")
         if exchange.stream and upstream.status == 200:
+            relay = self._relay_migrating if exchange.ledger is not None else self._relay
             return RelayedStream(
-                self._relay(exchange, span), exchange, on_unserved=self._unserved,
+                relay(exchange, span), exchange, on_unserved=self._unserved,
                 status_code=200,
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-appliance-replica": replica.name},
@@ -266,8 +330,15 @@ class Upstream:
         assert upstream is not None
         try:
             content = await upstream.read()
-        except UPSTREAM_ERRORS as exc:  # failed mid-body: the engine did the work, so it is not sent again
+        except UPSTREAM_ERRORS as exc:  # failed mid-body
             exchange.settle(failure_outcome(exc))
+            # The connection broke (the engine died): its work is gone and the client has nothing, so the request
+            # runs again elsewhere, within the migration budget. Not after a timeout: that engine may still be
+            # generating, and the work would be done twice.
+            if (not isinstance(exc, asyncio.TimeoutError) and exchange.migrations < exchange.migration_limit
+                    and self.admission.router.any_eligible(exchange.tried | {replica.name})):
+                exchange.migrations += 1
+                raise RerunElsewhere(type(exc).__name__) from exc
             raise upstream_failure(exc) from exc
         finally:
             span.end()  # a cancellation (the client left) is settled by forward(): the engine request is aborted
@@ -319,6 +390,9 @@ class Upstream:
             outcome, status = failure_outcome(exc), error.status
             log.warning("%s failed mid-stream: %s", replica.name, type(exc).__name__)
             message = f"upstream replica failed mid-stream: {error.message}"
+            if exchange.refused is not None and outcome is Outcome.FAILURE:
+                self.metrics.migrations.labels(_break_reason(exc, replica), migration.INELIGIBLE).inc()
+                message += f"; not continued elsewhere: {exchange.refused}"
             yield f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
         finally:
             self._streams.discard(upstream)
@@ -331,6 +405,193 @@ class Upstream:
             stream_span.end()
             self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
             self._finish(exchange, status)
+
+    async def _relay_migrating(self, exchange: Exchange, span: trace.Span) -> AsyncIterator[bytes]:
+        """``_relay`` for a stream that may be continued elsewhere: whole events are relayed (so the ledger knows
+        exactly which tokens the client has), token ids the client did not ask for are stripped, and a break is
+        answered by a continuation on another replica, up to ``migration_limit`` times."""
+        ledger = exchange.ledger
+        assert ledger is not None
+        outcome, status = Outcome.ABORTED, 499
+        first = last = leg_first = None
+        chunks = 0
+        tail = b""
+        stream_span = exchange.trace.child("gateway.stream")
+        pending: _Pending | None = None  # a continuation placed, waiting for its first event
+        try:
+            while True:
+                upstream, replica = exchange.upstream, exchange.replica
+                assert upstream is not None
+                events = migration.SSEEvents()
+                self._streams.add(upstream)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        self.admission.router.note_relayed(replica.name)
+                        for event in events.feed(chunk):
+                            out = ledger.accept(event)
+                            now = time.monotonic()
+                            if leg_first is None:
+                                leg_first = now
+                                span.add_event("first_token")
+                                span.end()
+                                if pending is not None:
+                                    pending.continued(self.metrics, now)
+                                    pending = None
+                            if first is None:
+                                first = now
+                            else:
+                                self.metrics.itl.labels(exchange.route).observe(now - last)
+                            last = now
+                            chunks += 1
+                            tail = out[-2048:]
+                            yield out
+                            if ledger.aborted:
+                                ledger.aborted = False
+                                raise migration.StreamBreak(migration.ENGINE_ERROR, "the engine aborted the request")
+                    if upstream in self._cut:
+                        raise aiohttp.ClientConnectionError("cut by the gateway")
+                    if not ledger.done:
+                        raise migration.StreamBreak(migration.CONNECTION, "the engine closed the stream before "
+                                                    "[DONE]")
+                    outcome, status = Outcome.SUCCESS, 200
+                    return
+                except (migration.StreamBreak, *UPSTREAM_ERRORS) as exc:
+                    if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
+                        outcome, status = Outcome.ABORTED, 503
+                        message = "the gateway is shutting down; the stream was cut at the drain timeout"
+                        yield f"data: {json.dumps(error_body(503, message, code='shutting_down'))}\n\n".encode()
+                        return
+                    if pending is not None:  # the continuation broke before its first event
+                        pending.failed(self.metrics)
+                        pending = None
+                    if ledger.finished():  # only the closing events were lost: the answer is whole
+                        exchange.settle(Outcome.FAILURE)
+                        out = ledger.closing()
+                        tail = out[-2048:]
+                        yield out
+                        outcome, status = Outcome.SUCCESS, 200
+                        return
+                    failed = _failed_outcome(exc)
+                    reason = _break_reason(exc, replica)
+                    why = self._cannot_continue(exchange, ledger, exc)
+                    if why is not None:
+                        outcome, status = failed, 504 if isinstance(exc, asyncio.TimeoutError) else 502
+                        yield self._stream_error(exchange, exc, reason, why)
+                        return
+                    broke_at = time.monotonic()
+                    log.warning("%s failed mid-stream (%s: %s) after %d token(s); continuing elsewhere",
+                                replica.name, reason, _describe(exc), len(ledger.sent_ids))
+                    exchange.settle(failed)  # the broken replica's slot and connection, before the next slot
+                    exchange.tried.add(replica.name)
+                    exchange.migrations += 1
+                    pending = _Pending(exchange.route, reason, replica.name, broke_at,
+                                       exchange.trace.child("gateway.continuation", trace.SpanKind.CLIENT,
+                                                            **{"appliance.migration.reason": reason,
+                                                               "appliance.migration.from": replica.name,
+                                                               "appliance.migration.sent_tokens":
+                                                                   len(ledger.sent_ids)}))
+                    try:
+                        span = await self._continue(exchange, ledger, pending)
+                    except (APIError, RetryableUpstreamError, *UPSTREAM_ERRORS) as error:
+                        pending.failed(self.metrics)
+                        pending = None
+                        outcome, status = Outcome.FAILURE, 502
+                        yield self._stream_error(exchange, exc, reason, f"no replica could continue it "
+                                                 f"({_describe(error)})")
+                        return
+                    leg_first = None
+                finally:
+                    self._streams.discard(upstream)
+                    self._cut.discard(upstream)
+        finally:
+            if pending is not None:
+                pending.span.end()
+            ttft = None if first is None else first - exchange.arrived
+            replica_ttft = None if leg_first is None else leg_first - exchange.dispatched
+            exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
+            stream_span.end()
+            self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
+            self._finish(exchange, status)
+
+    def _cannot_continue(self, exchange: Exchange, ledger: migration.StreamLedger, exc: BaseException
+                         ) -> str | None:
+        """Why a broken stream is not continued (None: it is): the whole-request timeout is the request's own
+        length; the budget; what the ledger could not record; no replica left to take it."""
+        if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ServerTimeoutError):
+            return "it outlived request_timeout_seconds"
+        reason = _break_reason(exc, exchange.replica)
+        if exchange.migrations >= exchange.migration_limit:
+            self.metrics.migrations.labels(reason, migration.EXHAUSTED).inc()
+            return f"routing.migration_limit ({exchange.migration_limit}) reached"
+        if not ledger.continuable():
+            self.metrics.migrations.labels(reason, migration.INELIGIBLE).inc()
+            return "the engine did not report the token ids sent"
+        return None
+
+    def _routable_besides(self, tried: set[str]) -> bool:
+        """Whether a replica not yet tried is in routing (ejected or not): one worth waiting for."""
+        return any(r.routable and r.name not in tried for r in self.admission.router.replicas())
+
+    async def _admit_patiently(self, exchange: Exchange) -> Lease:
+        """A slot for a continuation. Right after an engine dies, the only other replica may be ejected (a TTFT
+        outlier, say) while the dead one still counts as routable and healthy, so the router does not panic and
+        finds no replica at all; a moment later the dead one is ejected or out of routing and the router panics,
+        or the ejection ends. A new request would get its 503 at once; a stream already half-sent is worth
+        waiting for, up to the queue timeout, like a queued request."""
+        deadline = time.monotonic() + self.admission.queue_timeout_seconds
+        while True:
+            try:
+                return await self._admit(exchange)
+            except APIError as exc:
+                if exc.code != "no_ready_replica" or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(CONTINUATION_RETRY_SECONDS)
+
+    def _stream_error(self, exchange: Exchange, exc: BaseException, reason: str, why: str) -> bytes:
+        error = upstream_failure(exc) if not isinstance(exc, migration.StreamBreak) else \
+            APIError(502, f"upstream failed: {exc.detail}", code="upstream_error")
+        log.warning("stream of %s not continued (%s): %s", exchange.route, reason, why)
+        message = f"upstream replica failed mid-stream: {error.message}; not continued elsewhere: {why}"
+        return f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
+
+    async def _continue(self, exchange: Exchange, ledger: migration.StreamLedger, pending: _Pending) -> trace.Span:
+        """Place the rest of a broken stream on another replica: a slot (queueing like any request, never on a
+        replica that already failed it), then the continuation request. A connection that fails before reaching
+        the engine (a pooled connection the engine had just closed, seen on a real restart) is tried again, like
+        any request's, up to ``max_attempts``. Returns the continuation's upstream span."""
+        assert self._session is not None, "Upstream.open() not called"
+        path, body = ledger.continuation()
+        replayed = len(ledger.prompt_ids or []) + len(ledger.sent_ids) if ledger.started else 0
+        for attempt in range(1, self.max_attempts + 1):
+            exchange.lease = await self._admit_patiently(exchange)
+            replica = exchange.replica
+            pending.span.set_attribute("appliance.migration.to", replica.name)
+            pending.span.set_attribute("appliance.migration.replayed_tokens", replayed)
+            span = exchange.trace.child("gateway.upstream", trace.SpanKind.CLIENT,
+                                        **{"appliance.replica": replica.name})
+            headers = exchange.trace.propagate(span, dict(exchange.headers, **{"content-type": "application/json"}))
+            try:
+                exchange.upstream = await self._session.post(replica.url + path, data=body, headers=headers,
+                                                             timeout=self._stream_timeout)
+            except BaseException as exc:
+                span.end()
+                if not isinstance(exc, UPSTREAM_ERRORS):
+                    raise
+                exchange.settle(failure_outcome(exc))
+                if not never_reached_engine(exc) or attempt == self.max_attempts:
+                    raise
+                log.warning("%s: continuation failed before reaching the engine (%s); trying again", replica.name,
+                            type(exc).__name__)
+                continue
+            if exchange.upstream.status != 200:
+                span.end()
+                status = exchange.upstream.status
+                detail = (await exchange.upstream.read())[:300].decode(errors="replace")
+                exchange.settle(Outcome.FAILURE if status >= 500 else Outcome.CLIENT_ERROR)
+                raise APIError(502, f"{replica.name} answered the continuation with HTTP {status}: {detail}")
+            self.metrics.migration_replayed_tokens.inc(replayed)
+            return span
+        raise AssertionError("unreachable")
 
     def _observe_stream(self, exchange: Exchange, ttft: float | None, first: float | None, last: float | None,
                         chunks: int, tail: bytes, outcome: Outcome) -> None:
@@ -354,6 +615,53 @@ class Upstream:
         if status < 400:
             self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)
         exchange.trace.finish(status)
+
+
+@dataclass
+class _Pending:
+    """A continuation placed after a break, until its first event is relayed (or it fails)."""
+
+    route: str
+    reason: str
+    source: str  # the replica that failed
+    broke_at: float  # monotonic
+    span: trace.Span
+
+    def continued(self, metrics: RequestMetrics, now: float) -> None:
+        metrics.migrations.labels(self.reason, migration.CONTINUED).inc()
+        metrics.migration_added_seconds.labels(self.route).observe(now - self.broke_at)
+        self.span.set_attribute("appliance.migration.added_seconds", now - self.broke_at)
+        self.span.end()
+
+    def failed(self, metrics: RequestMetrics) -> None:
+        metrics.migrations.labels(self.reason, migration.FAILED).inc()
+        self.span.set_status(trace.StatusCode.ERROR)
+        self.span.end()
+
+
+def _draining(replica: Replica) -> bool:
+    status = getattr(replica, "status", None)
+    return status is not None and (status.planned_restart or status.state in (ReplicaState.DRAINING,
+                                                                             ReplicaState.STOPPING))
+
+
+def _break_reason(exc: BaseException, replica: Replica) -> str:
+    """The label of a break: a replica being drained or restarted explains any break; then the break itself."""
+    if _draining(replica):
+        return migration.DRAIN
+    if isinstance(exc, migration.StreamBreak):
+        return exc.reason
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return migration.IDLE_TIMEOUT
+    return migration.CONNECTION
+
+
+def _failed_outcome(exc: BaseException) -> Outcome:
+    return Outcome.FAILURE if isinstance(exc, migration.StreamBreak) else failure_outcome(exc)
+
+
+def _describe(exc: BaseException) -> str:
+    return exc.detail if isinstance(exc, migration.StreamBreak) else (str(exc) or type(exc).__name__)
 
 
 class RelayedStream(StreamingResponse):

@@ -1,6 +1,7 @@
 """The gateway's own logic against stub upstreams: pass-through, streaming relay, retry rule, routing."""
 
 import json
+import threading
 
 from appliance.gateway.router import Outcome
 
@@ -126,3 +127,22 @@ def test_stalled_stream_is_cut_after_the_idle_timeout_with_an_error_event(make_c
     assert len(events) == 2 and json.loads(events[0][6:])["choices"][0]["text"] == "0"
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_timeout"
     assert client.app.state.router.in_flight() == 0
+
+
+def test_a_retry_waits_for_a_replica_that_is_only_ejected(make_client, stubs, replicas):
+    """The engine a request went to dies before its first byte while the only other replica sits out an ejection
+    (a TTFT outlier a moment earlier, as the stream-migration test on real vLLM met): the retry waits for that
+    replica, up to the queue timeout, instead of answering 502 at once."""
+    client = make_client(routing={"eject_consecutive_failures": 100})
+    router = client.app.state.router
+    router.eject("replica-1", "a TTFT outlier, for the test")
+    stubs[0].stop()  # replica-0 refuses connections
+    back = threading.Timer(0.5, router.probe_result, args=("replica-1", True))
+    back.start()
+    try:
+        response = client.post("/v1/completions", json={"prompt": "hi"})
+    finally:
+        back.cancel()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-appliance-replica"] == "replica-1"
+    assert all(router.in_flight(r.name) == 0 for r in replicas)

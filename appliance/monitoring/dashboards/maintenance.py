@@ -1,4 +1,5 @@
-"""Appliance / Maintenance: what happened to the replicas? Restarts, crashes, drains, state, model load."""
+"""Appliance / Maintenance: what happened to the replicas? Restarts, crashes, drains, state, model load, and the
+streams the gateway moved off replicas that died or were drained (stream migration)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ from typing import Any
 
 from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
-from appliance.monitoring.dashboards.panels import increase, runbooks, stat, state_timeline, target, timeseries
+from appliance.monitoring.dashboards.panels import (
+    heatmap,
+    increase,
+    runbooks,
+    stat,
+    state_timeline,
+    target,
+    timeseries,
+)
 
 UID = "appliance-maintenance"
 NOT_READY, DRAIN_STUCK, HUNG = "ApplianceReplicaNotReady", "ApplianceDrainStuck", "ApplianceReplicaHung"
@@ -107,11 +116,24 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                                "running + waiting (short spikes are normal), 1 while that surplus has lasted "
                                "admission.slot_drift_seconds, and slots the gateway's own safety nets returned "
                                "(both should stay 0)."),
+        timeseries(17, "Stream migrations",
+                   target(increase("appliance_stream_migrations_total", gw, by="reason, outcome"),
+                          "{{reason}} {{outcome}}"),
+                   target(increase("appliance_stream_migration_replayed_tokens_total", gw), "tokens replayed"),
+                   unit="none", description="Broken answers the gateway tried to continue on another replica per "
+                                            "interval, by why they broke (connection, idle_timeout, engine_error, "
+                                            "drain) and what came of it (continued; failed, ineligible, exhausted: "
+                                            "the client got an error event), and the tokens the new replicas "
+                                            "prefilled again (prompt + tokens already sent)."),
+        heatmap(18, "Stream migration added latency", "appliance_stream_migration_added_seconds", gw, unit="s",
+                description="From a stream's break to the first event of its continuation relayed to the client: "
+                            "the pause a client sees when its engine dies mid-answer."),
     ]
     by_id = {panel["id"]: panel for panel in panels}
     sections = [Section(101, "Replicas now", [by_id[i] for i in (1, 2, 3, 4, 5, 6)]),
                 Section(102, "Life cycle", [by_id[i] for i in (7, 8, 9, 10)]),
-                Section(103, "Drains, hangs and maintenance", [by_id[i] for i in (11, 12, 13, 14, 15, 16)])]
+                Section(103, "Drains, hangs and maintenance", [by_id[i] for i in (11, 12, 13, 14, 15, 16)]),
+                Section(104, "Stream migration", [by_id[i] for i in (17, 18)])]
     return dashboard(UID, "Appliance / Maintenance",
                      "What happened to the replicas? Restarts, crashes, drains, state, model load, maintenance.",
                      sections, ["maintenance"], sel)
