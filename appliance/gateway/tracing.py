@@ -1,8 +1,16 @@
 """OpenTelemetry tracing for the gateway: one span per request with children per hop, context sent to vLLM.
 
 The tracer provider lives on the app (not the process-global one), so tests and several apps in one process do
-not share state. Without an OTLP endpoint nothing is recorded unless the client's own traceparent says
-"sampled"; the context is still propagated to the engine, so vLLM's own spans join the caller's trace.
+not share state. Without an OTLP endpoint nothing is recorded or exported; the caller's trace id still goes to
+the engine, so vLLM's own spans (if it exports any) can join the caller's trace.
+
+The gateway decides sampling, never the client (issue 21): the root sampler is ``TraceIdRatioBased`` alone, not
+``ParentBased``, so a caller's sampled ``traceparent`` cannot force span export past ``trace_sample_ratio`` (any
+client could otherwise make every one of its requests exported: a cost, and a flood of the trace store). The
+span still continues the caller's trace (same trace id, the caller's span as parent), so a sampled request
+correlates with the caller's own spans; and the decision is a function of the trace id, so every hop that
+samples by the same ratio keeps or drops the same traces. What goes to the engine carries the gateway's
+decision in its flags.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from appliance.settings import Settings
@@ -24,7 +32,7 @@ PROPAGATOR = TraceContextTextMapPropagator()
 def build_tracer_provider(settings: Settings, exporter: SpanExporter | None = None) -> TracerProvider:
     ratio = settings.trace_sample_ratio if (settings.otlp_traces_endpoint or exporter) else 0.0
     provider = TracerProvider(resource=Resource.create({"service.name": "appliance-gateway"}),
-                              sampler=ParentBased(TraceIdRatioBased(ratio)))
+                              sampler=TraceIdRatioBased(ratio))
     if exporter is None and settings.otlp_traces_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -50,7 +58,8 @@ def current_span() -> trace.Span:
 
 
 def is_sampled(traceparent: str | None) -> bool:
-    """The W3C trace-flags' sampled bit of an incoming ``traceparent``."""
+    """The W3C trace-flags' sampled bit of an incoming ``traceparent``: the caller asks for a sampling decision
+    (the gateway's sampler makes it; the flag itself decides nothing)."""
     return bool(traceparent) and traceparent.endswith("-01")
 
 
@@ -58,8 +67,11 @@ class RequestTrace:
     """The spans of one gateway request: ``gateway.request`` with children for queue wait, upstream until the
     first token, and the stream. Contexts are passed explicitly, so nothing leaks across requests.
 
-    When nothing would be recorded (no exporter, and the caller did not ask for sampling) no span is created at
-    all, which keeps the request path cheap; the caller's trace context still goes to the engine unchanged."""
+    Spans are made when the gateway traces (an exporter and a ratio above 0) or the caller's traceparent asks
+    for sampling; the sampler then decides by trace id (ratio 0 without an exporter), and a span it drops is a
+    cheap non-recording span that still carries the caller's trace id, with the gateway's unsampled decision, to
+    the engine. Otherwise no span is created at all, which keeps the request path cheap, and the caller's trace
+    context goes to the engine unchanged (it already says "not sampled")."""
 
     def __init__(self, tracer: trace.Tracer, route: str, headers: Mapping[str, str], *, recording: bool) -> None:
         self._tracer = tracer

@@ -47,11 +47,17 @@ class Target:
     namespace: str = "appliance"
     gateway_service: str = "appliance-gateway"
     node_statefulset: str = "appliance-node"
-    secret: str = "appliance-secrets"
+    #: Prometheus' read-only credential (key metrics-token): the gateway and node pods' /metrics require it.
+    metrics_secret: str = "appliance-metrics-token"
+    #: Alertmanager's credential (key alerts-token): accepted on the gateway's /admin/alerts webhook only.
+    alerts_secret: str = "appliance-alerts-token"
     webhook_secret: str = "appliance-alert-webhooks"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     engines_per_node: int = 1
-    min_nodes: int = 1
+    #: KEDA's floor: two node pods, so that a drain (the node PDB's maxUnavailable 1) that evicts one leaves
+    #: another serving; with one, it would take the only node pod (docs/kubernetes.md, "Availability through
+    #: drains").
+    min_nodes: int = 2
     max_nodes: int = 8
     headroom: float = 0.8  # scale out at this fraction of an alert's threshold, before it fires
 
@@ -88,18 +94,27 @@ def _role(role: str) -> dict[str, Any]:
     return {"action": "replace", "targetLabel": "role", "replacement": role}
 
 
+def _metrics_auth(target: Target) -> dict[str, Any]:
+    """The read-only metrics token the appliance's /metrics require (metrics_token_file); never the admin token.
+    The operator copies the referenced key into Prometheus' own configuration."""
+    return {"type": "Bearer", "credentials": {"name": target.metrics_secret, "key": "metrics-token"}}
+
+
 def service_monitor(target: Target) -> dict[str, Any]:
     """The gateways' /metrics (job="appliance", role="gateway")."""
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _meta("appliance-gateway", "monitoring"),
             "spec": {"selector": {"matchLabels": {"app.kubernetes.io/component": "gateway", **LABELS}},
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s",
+                                    "authorization": _metrics_auth(target),
                                     "relabelings": [*_job("appliance"), _role("gateway")]}]}}
 
 
 def pod_monitor(target: Target) -> dict[str, Any]:
-    """The node pods: their own /metrics (job="appliance", role="node") and each engine's (job="vllm")."""
-    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s",
+    """The node pods: their own /metrics (job="appliance", role="node", behind the metrics token) and each
+    engine's (job="vllm"; vLLM's /metrics has no credential: the NetworkPolicy admits only Prometheus and the
+    gateways to the engine ports)."""
+    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s", "authorization": _metrics_auth(target),
                   "relabelings": [*_job("appliance"), _role("node")]}]
     for i in range(target.engines_per_node):
         replica = {"action": "replace", "targetLabel": "replica", "sourceLabels": ["__meta_kubernetes_pod_name"],
@@ -138,8 +153,9 @@ def _route(route: Mapping[str, Any]) -> dict[str, Any]:
 
 def alertmanager_config(root: Path, target: Target) -> dict[str, Any]:
     """alerts/alertmanager.yml's routing as an AlertmanagerConfig. The appliance receiver posts to the gateway
-    Service with the admin token from the appliance Secret; pager/ticket/watchdog URLs come from a Secret the
-    operator creates (a missing key leaves that receiver without a URL, like an unset variable in compose)."""
+    Service with the alerts token (its own Secret: it opens /admin/alerts and nothing else, so Alertmanager never
+    holds the admin token); pager/ticket/watchdog URLs come from a Secret the operator creates (a missing key
+    leaves that receiver without a URL, like an unset variable in compose)."""
     template = yaml.safe_load((root / "alerts" / "alertmanager.yml").read_text())
     gateway = f"http://{target.gateway_service}.{target.namespace}.svc:8000/admin/alerts"
     receivers = []
@@ -148,7 +164,7 @@ def alertmanager_config(root: Path, target: Target) -> dict[str, Any]:
         send_resolved = receiver["webhook_configs"][0].get("send_resolved", True)
         if name == "appliance":
             webhook = {"url": gateway, "sendResolved": send_resolved, "httpConfig": {"authorization": {
-                "type": "Bearer", "credentials": {"name": target.secret, "key": "admin-token"}}}}
+                "type": "Bearer", "credentials": {"name": target.alerts_secret, "key": "alerts-token"}}}}
         else:
             webhook = {"urlSecret": {"name": target.webhook_secret, "key": name}, "sendResolved": send_resolved}
         receivers.append({"name": name, "webhookConfigs": [webhook]})

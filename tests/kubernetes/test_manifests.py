@@ -20,7 +20,7 @@ from appliance.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "base", "monitoring", "autoscaling"]
+OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "base", "monitoring", "autoscaling", "monitoring-egress"]
 KUBERNETES_VERSION = "1.32.0"
 
 kubectl = shutil.which("kubectl")
@@ -167,12 +167,15 @@ def test_pods_drain_before_kill_and_run_locked_down(rendered, overlay):
         pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
         assert pod["terminationGracePeriodSeconds"] > drain + pre_stop
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
-        assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        # Node pods: ready with a serving engine; gateways: their own readiness (test_least_privilege.py).
+        assert container["readinessProbe"]["httpGet"]["path"] == {"StatefulSet": "/health/ready",
+                                                                   "Deployment": "/health/serving"}[kind]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         env = {e["name"]: e for e in container["env"]}
-        assert env["APPLIANCE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "appliance-secrets"
+        assert env["APPLIANCE_ADMIN_TOKEN_FILE"]["value"] == "/run/secrets/appliance/admin-token"
+        assert "APPLIANCE_ADMIN_TOKEN" not in env
     assert not [o for o in objects if o["kind"] == "Secret"], "secrets are created by the operator, never committed"
     headless = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "appliance-engines")
     assert headless["spec"]["clusterIP"] == "None"
@@ -185,7 +188,8 @@ def test_gpu_nodes_ask_for_gpus_and_only_gateways_reach_engines(rendered):
     node = _pod(objects, "StatefulSet")["containers"][0]
     assert node["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in str(rendered["overlays/cpu-demo"])
-    policy = next(o for o in objects if o["kind"] == "NetworkPolicy" and "node" in o["metadata"]["name"])
+    policy = next(o for o in objects
+                  if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "appliance-node-ingress")
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "node"
     sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
     components = {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
