@@ -4,8 +4,10 @@ It serialises them (one rolling restart at a time, never two restarts of one rep
 alerts one at a time), and it is the one place that keeps routable capacity: no drain or restart, whoever asks,
 may leave fewer than ``min_ready_replicas`` replicas serving (capped at replicas - 1, so that a single-replica
 appliance can still be restarted: its requests wait in the queue meanwhile), and an alert never takes the last
-one. Serving means what the router would use: routable and not ejected (a router in panic sends everything to
-an ejected replica once the others are gone, which is no capacity). Alerts can be forged by anyone who reaches
+one. That minimum is this host's; a node pod's rolling restarts also need the fleet-wide restart lease of its
+``coordinator`` (appliance/maintenance/coordination.py). Serving means what the router would use: routable
+and not ejected (a router in panic sends everything to an ejected replica once the others are gone, which is no
+capacity). Alerts can be forged by anyone who reaches
 Alertmanager, so these guards sit here, under every path, not in the webhook. It records each action the same
 way: a log line, ``appliance_maintenance_actions_total``, a Grafana annotation, and the last action shown by
 /admin/status.
@@ -23,6 +25,7 @@ import aiohttp
 
 from appliance.engine.contract import Replica
 from appliance.maintenance.annotations import Annotator
+from appliance.maintenance.coordination import LocalCoordinator, RestartCoordinator
 from appliance.maintenance.errors import (
     BelowMinReady,
     LastRoutableReplica,
@@ -50,8 +53,11 @@ class MaintenanceController:
     def __init__(self, replicas: Callable[[], Sequence[Replica]], procedure: RestartProcedure, *, min_ready: int,
                  metrics: MaintenanceMetrics, annotator: Annotator | None = None,
                  is_hung: Callable[[str], bool] = lambda _name: False,
-                 is_ejected: Callable[[str], bool] = lambda _name: False) -> None:
-        """``is_ejected(name)``: the router's own ejection of a replica (not softened by its panic mode)."""
+                 is_ejected: Callable[[str], bool] = lambda _name: False,
+                 coordinator: RestartCoordinator | None = None) -> None:
+        """``is_ejected(name)``: the router's own ejection of a replica (not softened by its panic mode).
+        ``coordinator``: who else must agree to each replica's restart in a rolling restart (a node pod's
+        fleet-wide lease; see appliance/maintenance/coordination.py); default: nobody (one host)."""
         self._replicas = replicas
         self.procedure = procedure
         self.min_ready = min_ready
@@ -59,6 +65,7 @@ class MaintenanceController:
         self.annotator = annotator or Annotator(None)
         self.is_hung = is_hung
         self.is_ejected = is_ejected
+        self.coordinator = coordinator or LocalCoordinator()
         self.rolling: RollingRestart | None = None
         self.restarting: set[str] = set()
         self.last_action: ActionRecord | None = None
@@ -93,6 +100,7 @@ class MaintenanceController:
         # Alerts never take the last serving replica: each restart then needs at least one other serving.
         min_ready = max(1, self.min_ready) if trigger == "alert" else self.min_ready
         self.rolling = RollingRestart(self._replicas, self.procedure, min_ready=min_ready, is_ejected=self.is_ejected,
+                                      coordinator=self.coordinator,
                                       on_replica=lambda r, o: self._replica_done(r, o, trigger))
         return self._spawn(self._rolling(trigger, reason, then), "rolling-restart")
 
@@ -151,6 +159,7 @@ class MaintenanceController:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.annotator.close()
+        await self.coordinator.close()
 
     def replicas(self) -> Sequence[Replica]:
         return self._replicas()

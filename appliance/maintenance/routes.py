@@ -1,18 +1,22 @@
-"""Maintenance's HTTP surface: drain, undrain and restart one replica, the rolling restart, and the Alertmanager
-webhook. Admin token required, like every /admin route (Alertmanager sends it with
-``http_config.authorization``). Actions go through the maintenance controller, so each is logged, counted and
-annotated the same way whoever asks; refusals are ``MaintenanceError``s, mapped to HTTP by ``appliance.app``.
+"""Maintenance's HTTP surface: drain, undrain and restart one replica, the rolling restart, the Alertmanager
+webhook, and (role gateway) the restart lease node pods ask for before each restart. Admin token required, like
+every /admin route; the webhook also takes the alerts token, which opens nothing else (Alertmanager sends it with
+``http_config.authorization``; appliance/http/auth.py). Actions go through the
+maintenance controller, so each is logged, counted and annotated the same way whoever asks; refusals are
+``MaintenanceError``s, mapped to HTTP by ``appliance.app``.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from appliance.engine.discovery import replica_name
 from appliance.http import json_body
 from appliance.http.auth import require_admin
 from appliance.http.errors import APIError
+from appliance.maintenance.coordination import LeaseBoard, NotCoordinator
 from appliance.maintenance.webhook import AlertmanagerPayload
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
@@ -53,6 +57,53 @@ async def reload(request: Request) -> JSONResponse:
     or say nothing changed (200). 409 for changes that cannot roll (the keys are listed), 400 if it is invalid."""
     result = request.app.state.maintenance.reloader.reload()
     return JSONResponse({"action": "reload", **result.as_dict()}, status_code=202 if result.rolling_restart else 200)
+
+
+class LeaseRequest(BaseModel):
+    """A node pod's request for the restart lease (see appliance/maintenance/coordination.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    holder: str = Field(..., min_length=1, max_length=200)
+    address: str | None = Field(None, min_length=1, max_length=100)  # None: the address the request comes from
+    ports: list[int] = Field(..., min_length=1, max_length=64)
+    ttl_seconds: float = Field(..., gt=0, le=86400)
+
+
+def _leases(request: Request) -> LeaseBoard:
+    board = request.app.state.maintenance.leases
+    if board is None:
+        raise NotCoordinator("restart leases are granted by gateways (role gateway): point "
+                             "maintenance.coordinator_url at one")
+    return board
+
+
+@router.post("/maintenance/lease")
+async def acquire_lease(request: Request) -> dict:
+    """Grant or renew the restart lease: 409 ``restart_lease_held`` (another node restarts now),
+    ``min_ready_replicas`` (the fleet would drop below the minimum), ``engines_not_in_view``."""
+    board = _leases(request)
+    try:
+        body = LeaseRequest.model_validate(json_body.loads(await request.body()))
+    except ValueError as exc:
+        raise APIError(400, f"not a lease request: {_first_error(exc)}", code="invalid_lease_request") from None
+    address = body.address or (request.client.host if request.client else None)
+    if not address:
+        raise APIError(400, "no address given and none seen", param="address", code="invalid_lease_request")
+    engines = frozenset(replica_name(address, port) for port in body.ports)
+    lease = board.acquire(body.holder, engines, body.ttl_seconds)
+    return {"granted": True, "holder": lease.holder, "engines": sorted(lease.engines),
+            "ttl_seconds": min(body.ttl_seconds, board.max_ttl_seconds)}
+
+
+@router.delete("/maintenance/lease")
+async def release_lease(request: Request, holder: str) -> dict:
+    return {"released": _leases(request).release(holder)}
+
+
+@router.get("/maintenance/lease")
+async def lease_status(request: Request) -> dict:
+    return _leases(request).status()
 
 
 @router.post("/alerts")

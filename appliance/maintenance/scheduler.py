@@ -5,7 +5,8 @@ A rolling restart runs only when traffic is low, and then when
 - a restart is wanted (a replica's fragmentation or memory growth crossed its threshold, or a whitelisted alert
   asked for one): at the first low-traffic moment, window or not; or
 - the maintenance window is open and this window has not had its rolling restart yet.
-Outside the window and at peak nothing happens: a wanted restart waits. Memory is read every round even with
+Outside the window and at peak nothing happens: a wanted restart waits, and so does one while another node holds
+the fleet's restart lease (role node; appliance/maintenance/coordination.py). Memory is read every round even with
 automatic restarts off: the alert webhook confirms memory alerts against the latest reading. The decision itself
 (``check``) takes the time as an argument, so tests drive it with a controllable clock.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -23,6 +24,7 @@ from appliance.maintenance.controller import MaintenanceController
 from appliance.maintenance.errors import MaintenanceError
 from appliance.maintenance.memory import MemoryWatch
 from appliance.maintenance.progress import ProgressMonitor
+from appliance.maintenance.rolling import Outcome
 from appliance.maintenance.settings import MaintenanceSettings
 from appliance.maintenance.traffic import TrafficSampler, TrafficVerdict
 from appliance.maintenance.window import MaintenanceWindow
@@ -37,8 +39,11 @@ def utc_now() -> datetime:
 class MaintenanceScheduler:
     def __init__(self, settings: MaintenanceSettings, controller: MaintenanceController, traffic: TrafficSampler,
                  progress: ProgressMonitor, memory: MemoryWatch | None = None, *,
-                 now: Callable[[], datetime] = utc_now, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], datetime] = utc_now, monotonic: Callable[[], float] = time.monotonic,
+                 refresh_traffic: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``refresh_traffic``: awaited before each traffic sample (a node reads its engines' counters then)."""
         self.settings = settings
+        self._refresh_traffic = refresh_traffic
         self.controller = controller
         self.traffic = traffic
         self.progress = progress
@@ -48,6 +53,7 @@ class MaintenanceScheduler:
         self._monotonic = monotonic
         self.wanted: tuple[str, str] | None = None  # (trigger, reason) of a rolling restart waiting for low traffic
         self.last_verdict: TrafficVerdict | None = None
+        self.lease_wait: str | None = None  # why the fleet's restart lease is not to be had now (role node)
         self._window_done: datetime | None = None  # start of the window whose rolling restart has run
         self._memory_restart_at: float | None = None  # monotonic time of the last memory-triggered restart
         self._scheduler: AsyncIOScheduler | None = None
@@ -78,6 +84,11 @@ class MaintenanceScheduler:
 
     async def check(self) -> str:
         """One round; returns what it decided (for logs and tests)."""
+        if self._refresh_traffic is not None:
+            try:
+                await self._refresh_traffic()
+            except Exception:  # a failed read is a missing sample, never a dead maintenance job
+                log.exception("maintenance: reading traffic failed")
         now, tick = self._now(), self._monotonic()
         self.traffic.sample(tick)
         self.progress.check(tick)
@@ -100,6 +111,11 @@ class MaintenanceScheduler:
         if not verdict.low:
             log.debug("maintenance: restart due but traffic is not low (%s)", verdict.reason)
             return "waiting: " + verdict.reason
+        lease = await self.controller.coordinator.peek()
+        self.lease_wait = None if lease.granted else lease.detail
+        if not lease.granted:  # another node restarts now: wait like for traffic, nothing to record yet
+            log.debug("maintenance: restart due but %s", lease.detail)
+            return "waiting: " + lease.detail
         if self.wanted is not None:
             trigger, reason = self.wanted
             self.wanted = None
@@ -110,12 +126,26 @@ class MaintenanceScheduler:
             trigger, reason = "schedule", f"maintenance window {window_start.isoformat()}"
         if window_start is not None:
             self._window_done = window_start  # a wanted restart inside the window counts as the window's one
+        wanted = (trigger, reason) if window_start is None else None
         try:
-            self.controller.start_rolling_restart(trigger, reason)
+            self.controller.start_rolling_restart(
+                trigger, reason, then=lambda outcome: self._after_rolling(outcome, window_start, wanted))
         except MaintenanceError as exc:  # e.g. external engines: nothing to restart
             self.controller.record("rolling_restart", trigger, exc.result, detail=exc.message)
             return f"{exc.result}: {exc.message}"
         return f"rolling restart ({trigger}): {reason}"
+
+    def _after_rolling(self, outcome: Outcome, window_start: datetime | None,
+                       wanted: tuple[str, str] | None) -> None:
+        """A rolling restart skipped for a reason that may pass soon (another node holds the restart lease) did
+        not use up its window, or its wish: the next round tries again (still only at low traffic)."""
+        if outcome.result != "skipped" or not outcome.retry:
+            return
+        if window_start is not None and self._window_done == window_start:
+            log.info("maintenance: rolling restart skipped (%s); trying again in this window", outcome.detail)
+            self._window_done = None
+        elif wanted is not None and self.wanted is None:
+            self.wanted = wanted
 
     def next_window(self) -> datetime | None:
         if not self.settings.enabled:
@@ -137,5 +167,6 @@ class MaintenanceScheduler:
             "traffic_low": verdict.low if verdict else None,
             "traffic": verdict.reason if verdict else None,
             "restart_wanted": self.wanted[1] if self.wanted else None,
+            "restart_lease_wait": self.lease_wait,
             "hung_replicas": self.progress.hung(),
         }

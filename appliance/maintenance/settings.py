@@ -95,6 +95,22 @@ class MaintenanceSettings(BaseModel):
         100, ge=1, description="Alert webhook: alerts looked at per notification (whitelisted first); the rest are "
         "only counted (action=ignored)."
     )
+    coordinator_url: str | None = Field(
+        None, description="Role node: base URL of the gateway that grants restart leases (one node restarts at a "
+        "time, only while the gateway's view keeps min_ready_replicas routable elsewhere); required on role node "
+        "with enabled."
+    )
+    coordinator_address: str | None = Field(
+        None, description="Role node: this node's address as the coordinating gateway's discovery sees it (the "
+        "pod IP); unset: engine_host unless it is a wildcard, else the address the gateway sees the request from."
+    )
+    coordinator_lease_seconds: float = Field(
+        60, gt=0, description="A restart lease expires this long after its last renewal (a node that dies "
+        "holding it frees it); the holder renews it every third of this."
+    )
+    coordinator_timeout_seconds: float = Field(
+        5, gt=0, description="Time limit of one request to the coordinator; a failed request is a refusal."
+    )
     grafana_url: str | None = Field(
         None, description="Grafana base URL for annotations of maintenance actions; unset: no annotations."
     )
