@@ -13,6 +13,9 @@ import urllib.request
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
+TOKEN_FILE_ENV = "APPLIANCE_ADMIN_TOKEN_FILE"
+METRICS_TOKEN_ENV = "APPLIANCE_METRICS_TOKEN"
+METRICS_TOKEN_FILE_ENV = "APPLIANCE_METRICS_TOKEN_FILE"
 # Where `appliance up` keeps the token it generated when none was configured (see ensure_admin_token).
 TOKEN_FILE = "admin-token"
 
@@ -22,10 +25,11 @@ class AdminError(RuntimeError):
 
 
 def admin_token() -> str | None:
-    """$APPLIANCE_ADMIN_TOKEN, else the token `appliance up` generated: under $APPLIANCE_STATE_DIR, ./var, or the
-    source tree's var/ (where `make up` runs), so the operator commands work from any directory."""
-    token = os.environ.get(TOKEN_ENV)
-    if token:
+    """$APPLIANCE_ADMIN_TOKEN, else the file $APPLIANCE_ADMIN_TOKEN_FILE names (compose and Kubernetes mount the
+    token as a file: the same setting the appliance read it from), else the token `appliance up` generated: under
+    $APPLIANCE_STATE_DIR, ./var, or the source tree's var/ (where `make up` runs), so the operator commands work
+    from any directory."""
+    if token := token_from_env(TOKEN_ENV, TOKEN_FILE_ENV):
         return token
     for state_dir in token_dirs():
         try:
@@ -37,6 +41,28 @@ def admin_token() -> str | None:
     return None
 
 
+def token_from_env(name: str, file_name: str) -> str | None:
+    """$name, else the first line of the file $file_name names that is neither blank nor a ``#`` comment (the
+    format of the appliance's *_file secret settings); None when neither gives one."""
+    if token := os.environ.get(name, "").strip():
+        return token
+    if path := os.environ.get(file_name):
+        try:
+            with open(path) as f:
+                return next((line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")),
+                            None)
+        except OSError:
+            return None
+    return None
+
+
+def metrics_token() -> str | None:
+    """The read-only credential for the appliance's /metrics (its ``metrics_token`` setting, from
+    $APPLIANCE_METRICS_TOKEN or the file $APPLIANCE_METRICS_TOKEN_FILE names), else the admin token, which
+    /metrics accepts too; None where neither is found (an appliance without a metrics token serves /metrics openly)."""
+    return token_from_env(METRICS_TOKEN_ENV, METRICS_TOKEN_FILE_ENV) or admin_token()
+
+
 def token_dirs() -> list[str]:
     from appliance.paths import DEFAULT_STATE_DIR
 
@@ -45,8 +71,8 @@ def token_dirs() -> list[str]:
 
 
 def no_token_message() -> str:
-    return (f"no admin token: set {TOKEN_ENV}, or run from where `appliance up` wrote {TOKEN_FILE} "
-            f"(looked in {', '.join(token_dirs())})")
+    return (f"no admin token: set {TOKEN_ENV} (or {TOKEN_FILE_ENV}), or run from where `appliance up` wrote "
+            f"{TOKEN_FILE} (looked in {', '.join(token_dirs())})")
 
 
 def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:

@@ -1,20 +1,29 @@
 """The effective configuration as ``appliance config`` prints it: secrets redacted unless asked for.
 
-Secrets hide in more places than the keys named for them: credentials embedded in URLs
-(``http://user:pass@host``, ``?token=...``) in any setting, and vLLM flags passed through ``engine.extra_args``
-(``--api-key X``, ``--hf-token=X``). Redaction walks the whole dump, so a key added later is covered too.
+Secrets hide in more places than the keys named for them: credentials embedded in URLs (``http://user:pass@host``,
+a token used as the user name ``http://tok@host``, ``?token=...``) anywhere in any setting; ``k=v`` pairs whose key
+looks secret (``--api-key=X``, ``token=X``, ``password=X`` inside a longer value); vLLM flags passed through
+``engine.extra_args`` (``--api-key X``); and JSON values there (``--kv-transfer-config '{"api_key": "X"}'``).
+Redaction walks the whole dump, so a key added later is covered too.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from appliance.secret_files import SECRET_PAIRS
 from appliance.settings import Settings
 
 REDACTED = "<redacted>"
-SECRET_WORDS = re.compile(r"key|token|secret|password|passwd|credential|auth", re.IGNORECASE)
+# "tokens" (max_num_batched_tokens) and "tokenizer" name sizes and paths, not secrets.
+SECRET_WORDS = re.compile(r"key|token(?!s|izer)|secret|password|passwd|credential|auth", re.IGNORECASE)
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>,;]+")
+# key=value (or key: value) where the key looks secret; the value runs to the next separator.
+BEARER = re.compile(r"\b(Bearer|Basic)\s+(?!<redacted>)[^\s,;'\"]+", re.IGNORECASE)  # a header's value
+SECRET_PAIR = re.compile(r"(?P<key>[A-Za-z_][\w.-]*)(?P<sep>\s*[=:]\s*)(?P<value>[^\s,;&'\"]+)")
 
 
 def config_dump(settings: Settings, *, show_secrets: bool = False) -> dict[str, Any]:
@@ -22,15 +31,20 @@ def config_dump(settings: Settings, *, show_secrets: bool = False) -> dict[str, 
     data = settings.model_dump(mode="json")
     if show_secrets:
         return data
-    data["api_keys"] = [REDACTED] * len(settings.api_keys)
-    data["admin_token"] = REDACTED if settings.admin_token else None
+    for pair in SECRET_PAIRS:
+        value = getattr(settings, pair.value)
+        if pair.many:
+            data[pair.value] = [REDACTED] * len(value)
+        else:
+            data[pair.value] = REDACTED if value else None
     data["maintenance"]["grafana_token"] = REDACTED if settings.maintenance.grafana_token else None
     data["engine"]["extra_args"] = redact_argv(settings.engine.extra_args)
     return _walk(data)
 
 
 def redact_argv(argv: list[str]) -> list[str]:
-    """A command line with the values of secret-looking flags and URL credentials redacted (for printing)."""
+    """A command line with the values of secret-looking flags, URL credentials, secret ``k=v`` pairs and secret
+    JSON values redacted (for printing)."""
     out: list[str] = []
     hide_next = False
     for arg in argv:
@@ -46,12 +60,33 @@ def redact_argv(argv: list[str]) -> list[str]:
                 out.append(arg)
                 hide_next = True
             continue
-        out.append(redact_url(arg))
+        if arg.startswith("-") and eq:
+            out.append(f"{flag}={redact_text(value)}")
+            continue
+        out.append(redact_text(arg))
     return out
 
 
+def redact_text(text: str) -> str:
+    """One value: a JSON object or array with its secret-keyed values redacted, else the text with URL credentials
+    and secret ``k=v`` pairs redacted."""
+    stripped = text.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            parsed = json.loads(stripped)
+        except ValueError:
+            pass
+        else:
+            redacted = _redact_json(parsed)
+            return text if redacted == parsed else json.dumps(redacted, separators=(",", ":"))
+    text = URL.sub(lambda m: redact_url(m.group(0)), text)
+    text = BEARER.sub(lambda m: f"{m.group(1)} {REDACTED}", text)
+    return SECRET_PAIR.sub(_redact_pair, text)
+
+
 def redact_url(text: str) -> str:
-    """``scheme://user:pass@host/?token=x`` -> password and secret-looking query values redacted; else unchanged."""
+    """``scheme://user:pass@host/?token=x`` -> the password (or a user name alone, often a token) and
+    secret-looking query values redacted; else unchanged."""
     if "://" not in text:
         return text
     try:
@@ -60,13 +95,34 @@ def redact_url(text: str) -> str:
     except ValueError:
         return text
     netloc = parts.netloc
-    if parts.password is not None and host is not None:
-        netloc = f"{parts.username}:{REDACTED}@{netloc.rpartition('@')[2]}"
+    if host is not None and "@" in netloc:
+        where = netloc.rpartition("@")[2]
+        if parts.password is not None:
+            netloc = f"{parts.username}:{REDACTED}@{where}"
+        elif parts.username:
+            netloc = f"{REDACTED}@{where}"
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, REDACTED if SECRET_WORDS.search(k) else v) for k, v in pairs], safe="<>")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _redact_pair(match: re.Match[str]) -> str:
+    if not SECRET_WORDS.search(match.group("key")) or "://" in match.group(0) or match.group("value") == REDACTED:
+        return match.group(0)
+    return f"{match.group('key')}{match.group('sep')}{REDACTED}"
+
+
+def _redact_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: REDACTED if isinstance(k, str) and SECRET_WORDS.search(k) and not isinstance(v, dict | list)
+                else _redact_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_json(v) for v in value]
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
 
 
 def _walk(value: Any) -> Any:
@@ -75,5 +131,5 @@ def _walk(value: Any) -> Any:
     if isinstance(value, list):
         return [_walk(v) for v in value]
     if isinstance(value, str):
-        return redact_url(value)
+        return redact_text(value)
     return value

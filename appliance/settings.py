@@ -27,11 +27,13 @@ from appliance.collectors.settings import CollectorSettings
 from appliance.maintenance.settings import MaintenanceSettings
 from appliance.model.shape import ShapeError, max_model_len_from_config, read_config
 from appliance.monitoring.settings import MonitoringSettings
+from appliance.secret_files import SECRET_PAIRS, resolve_secrets
 
 # Without a model, `appliance up` builds and serves the demo model (appliance.model.demo): these are its name and
 # context length (its max_position_embeddings).
 DEMO_SERVED_MODEL_NAME = "demo"
 DEMO_MAX_MODEL_LEN = 1024
+SECRET_FIELDS = tuple(name for pair in SECRET_PAIRS for name in (pair.value, pair.file))
 
 
 class ConfigError(ValueError):
@@ -184,6 +186,11 @@ class RoutingSettings(BaseModel):
         1.0, gt=0, description="How often each engine's /metrics is read for KV-cache usage and queue length."
     )
     metrics_stale_seconds: float = Field(5.0, gt=0, description="Engine metrics older than this count as unknown.")
+    migration_limit: int = Field(
+        1, ge=0, description="How many times one request's broken answer may be continued on another replica "
+        "(a stream from the exact token where it broke; a non-streaming answer sent again). 0: off, broken streams "
+        "end with an error event."
+    )
 
 
 class AdmissionSettings(BaseModel):
@@ -296,7 +303,7 @@ class Settings(BaseSettings):
     engine_base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
     engine_host: str = Field(
         "127.0.0.1", description="Engines' bind address. Keep loopback unless Prometheus scrapes them from another "
-        "network namespace (compose: 0.0.0.0 on the private compose network, never published)."
+        "network namespace (compose: the appliance's alias on an internal network only Prometheus shares)."
     )
     engine_advertise_host: str | None = Field(
         None, description="Host name /sd/targets gives Prometheus for the engines; default engine_host "
@@ -319,6 +326,22 @@ class Settings(BaseSettings):
         default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
     )
     admin_token: str | None = Field(None, description="Bearer token for /admin; unset disables /admin.")
+    admin_token_file: Path | None = Field(
+        None, description="File holding admin_token (a compose secret, a Secret volume); not with admin_token."
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File holding api_keys, one a line (blank lines and # comments ignored); not with api_keys."
+    )
+    alerts_token: str | None = Field(
+        None, description="Bearer token accepted on /admin/alerts only (Alertmanager's webhook), besides the admin "
+        "token; Alertmanager sends it when set, else the admin token."
+    )
+    alerts_token_file: Path | None = Field(None, description="File holding alerts_token; not with alerts_token.")
+    metrics_token: str | None = Field(
+        None, description="Read-only bearer token: when set, /metrics and /sd/targets need it (or the admin token) "
+        "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
+    )
+    metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
     slo_ttft_p95_seconds: float = Field(0.8, gt=0, description="Time-to-first-token SLO at P95.")
     drain_timeout_seconds: float = Field(
         120, gt=0, description="On SIGTERM, how long in-flight requests may run before engines stop."
@@ -337,7 +360,8 @@ class Settings(BaseSettings):
         None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."
     )
     trace_sample_ratio: float = Field(
-        1.0, ge=0, le=1, description="Fraction of new traces recorded when an OTLP endpoint is set."
+        1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
+        "(a caller's sampled traceparent keeps its trace id but does not force recording)."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     role: Literal["all", "node", "gateway"] = Field(
@@ -375,6 +399,21 @@ class Settings(BaseSettings):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
 
+    @field_validator("admin_token_file", "api_keys_file", "alerts_token_file", "metrics_token_file", mode="before")
+    @classmethod
+    def _empty_file_is_unset(cls, value: Any) -> Any:
+        """APPLIANCE_ADMIN_TOKEN_FILE= (compose passes an unset variable as "") means no file, not the folder "."."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_from_files(self) -> Settings:
+        """Each *_file setting fills its secret (appliance.secret_files): read whenever settings are built."""
+        for name, value in resolve_secrets({name: getattr(self, name) for name in SECRET_FIELDS}).items():
+            setattr(self, name, value)
+        return self
+
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> Settings:
         engine_ports = range(self.engine_base_port, self.engine_base_port + self.replicas)
@@ -388,6 +427,13 @@ class Settings(BaseSettings):
             raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
         if self.role == "gateway" and self.engine_urls:
             raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        if self.role == "node" and self.maintenance.enabled and not self.maintenance.coordinator_url:
+            raise ValueError("role node with maintenance.enabled needs maintenance.coordinator_url: a node sees only "
+                             "its own engines, so uncoordinated node pods would restart at the same window start and "
+                             "take the fleet below min_ready_replicas. Point it at one gateway process, which grants "
+                             "restart leases (e.g. APPLIANCE_MAINTENANCE__COORDINATOR_URL=http://GATEWAY:8000, with "
+                             "the admin token; docs/maintenance.md, 'Beyond one host'), or set maintenance.enabled to "
+                             "false on node pods")
         return self
 
     @model_validator(mode="after")

@@ -38,3 +38,19 @@ def test_an_empty_file_gets_a_new_token_under_a_permissive_umask(tmp_path):
     finally:
         os.umask(old)
     assert token and mode(tmp_path / TOKEN_FILE) == 0o600
+
+
+def test_operator_commands_read_the_token_file_the_appliance_reads(tmp_path, monkeypatch) -> None:
+    """Issue 21: compose and Kubernetes mount the admin token as a file (APPLIANCE_ADMIN_TOKEN_FILE): `appliance
+    status` inside the container must find it there, before any token `appliance up` generated."""
+    from appliance import admin_client
+
+    monkeypatch.delenv("APPLIANCE_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
+    (tmp_path / TOKEN_FILE).write_text("generated-by-up\n")
+    mounted = tmp_path / "mounted-secret"
+    mounted.write_text("from-secret-file\n")
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN_FILE", str(mounted))
+    assert admin_client.admin_token() == "from-secret-file"
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "from-env")
+    assert admin_client.admin_token() == "from-env"

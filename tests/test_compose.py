@@ -15,7 +15,8 @@ from appliance.settings import Settings
 from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED_ENV = {"GRAFANA_ADMIN_PASSWORD": "pw", "APPLIANCE_ADMIN_TOKEN": "token"}
+REQUIRED_ENV = {"GRAFANA_ADMIN_PASSWORD": "pw", "APPLIANCE_SECRETS_DIR": "/srv/appliance-secrets"}
+SECRET_SETTINGS = ("admin_token", "alerts_token", "metrics_token", "api_keys")
 
 
 def _compose_config(env: dict[str, str], compose_file: Path = ROOT / "compose.yaml") -> subprocess.CompletedProcess:
@@ -55,16 +56,19 @@ def _seconds(value: str) -> float:
 
 
 def test_secrets_are_required_not_defaulted() -> None:
-    result = _compose_config({"APPLIANCE_ADMIN_TOKEN": "token"})
+    result = _compose_config({"APPLIANCE_SECRETS_DIR": "/srv/appliance-secrets"})
     assert result.returncode != 0
     assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+    result = _compose_config({"GRAFANA_ADMIN_PASSWORD": "pw"})
+    assert result.returncode != 0
+    assert "set APPLIANCE_SECRETS_DIR" in result.stderr and "docs/compose.md" in result.stderr  # says how
 
 
 def test_a_local_env_file_does_not_reach_the_compose_checks(tmp_path) -> None:
     """.env is the operator's own file (untracked, secrets in it): the checks must see compose.yaml's defaults."""
     (tmp_path / "compose.yaml").write_text((ROOT / "compose.yaml").read_text())
     (tmp_path / ".env").write_text("GRAFANA_ADMIN_PASSWORD=from-a-local-env\n")
-    result = _compose_config({"APPLIANCE_ADMIN_TOKEN": "token"}, tmp_path / "compose.yaml")
+    result = _compose_config({"APPLIANCE_SECRETS_DIR": "/srv/s"}, tmp_path / "compose.yaml")
     assert result.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in result.stderr
 
 
@@ -161,14 +165,28 @@ def test_the_image_installs_offline_from_the_wheelhouse_and_runs_under_an_init()
 
 
 def test_the_documented_secret_setup_generates_real_values(tmp_path) -> None:
-    """docs/compose.md's .env recipe, run: a quoted heredoc would write the literal `$(openssl rand ...)`."""
+    """docs/compose.md's .env and secrets recipes, run: a quoted heredoc would write the literal
+    `$(openssl rand ...)`; every secret file gets its own random value, in a folder only its owner can list (the
+    `sudo` lines, which hand the files to root and the image's group, are left out here)."""
     doc = (ROOT / "docs" / "compose.md").read_text()
     recipe = re.search(r"```bash\ncp \.env\.example \.env\n(cat >> \.env <<.*?\nENV\n)", doc, re.S)
     assert recipe, "docs/compose.md lost its .env recipe"
     subprocess.run(["bash", "-euc", recipe.group(1)], cwd=tmp_path, check=True)
     values = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines())
-    assert re.fullmatch(r"[0-9a-f]{64}", values["APPLIANCE_ADMIN_TOKEN"])
     assert re.fullmatch(r"[0-9a-f]{32}", values["GRAFANA_ADMIN_PASSWORD"])
+    assert values["APPLIANCE_SECRETS_DIR"] == "./secrets"
+    secrets_recipe = re.search(r"```bash\n(install -d -m 0700 secrets\n.*?)```", doc, re.S)
+    assert secrets_recipe, "docs/compose.md lost its secrets recipe"
+    script = "\n".join(line for line in secrets_recipe.group(1).splitlines() if not line.startswith("sudo "))
+    subprocess.run(["bash", "-euc", script], cwd=tmp_path, check=True)
+    folder = tmp_path / "secrets"
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    tokens = [(folder / name).read_text().strip() for name in ("admin-token", "alerts-token", "metrics-token")]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", token) for token in tokens) and len(set(tokens)) == 3
+    keys = Settings(api_keys_file=folder / "api-keys").api_keys
+    assert len(keys) == 1 and re.fullmatch(r"[0-9a-f]{64}", keys[0]) and keys[0] not in tokens
+    assert "sudo chown root:10001 secrets/*" in secrets_recipe.group(1)
+    assert "sudo chmod 0440 secrets/*" in secrets_recipe.group(1)
 
 
 def test_docs_name_one_compose_command() -> None:
@@ -224,3 +242,63 @@ def test_the_config_folder_is_mounted_read_only_and_read_at_start(services, tmp_
     assert result.returncode == 0, result.stderr
     mounts = _mounts(yaml.safe_load(result.stdout)["services"]["appliance"])
     assert (str(tmp_path), "/etc/appliance", True) in mounts
+
+
+SERVICES = ("appliance", "appliance-cpu", "monitoring-config", "prometheus", "alertmanager", "grafana")
+
+
+def test_every_service_drops_capabilities_gains_no_privileges_and_has_a_read_only_root(services) -> None:
+    """Issue 21. Added back: CHOWN for monitoring-config alone (it hands the rendered files to nobody, 0600)."""
+    for name in SERVICES:
+        service = services[name]
+        assert service["cap_drop"] == ["ALL"], name
+        assert service["security_opt"] == ["no-new-privileges:true"], name
+        assert service["read_only"] is True, name
+        assert service.get("cap_add", []) == (["CHOWN"] if name == "monitoring-config" else []), name
+    for name in ("appliance", "appliance-cpu"):  # torch's CPU compiler loads what it builds in /tmp: exec
+        assert services[name]["tmpfs"] == ["/tmp:rw,exec,nosuid,nodev,mode=1777"]
+
+
+def test_secrets_reach_each_service_as_files_only_the_ones_it_uses(services) -> None:
+    """Issue 21: no secret in any service's environment (children and `docker inspect` would show it); each is a
+    compose secret file read through its *_file setting; monitoring-config gets the two it renders, nothing else."""
+    secret_env = {f"APPLIANCE_{name.upper()}" for name in SECRET_SETTINGS}
+    wanted = {"appliance": set(SECRET_SETTINGS), "appliance-cpu": set(SECRET_SETTINGS),
+              "monitoring-config": {"alerts_token", "metrics_token"}}
+    for name in SERVICES:
+        service = services[name]
+        env = service.get("environment") or {}
+        assert not secret_env & set(env), name
+        mounted = {secret["source"] for secret in service.get("secrets", [])}
+        assert mounted == wanted.get(name, set()), name
+        for setting in mounted:
+            assert env[f"APPLIANCE_{setting.upper()}_FILE"] == f"/run/secrets/{setting}", (name, setting)
+            assert f"{setting}_file" in Settings.model_fields
+    for name in ("appliance", "appliance-cpu"):  # the secrets are root:10001 0440; the image's own gid is another
+        assert services[name]["group_add"] == ["10001"] or services[name]["group_add"] == [10001], name
+    assert "--shared" not in services["monitoring-config"]["entrypoint"]  # world-readable tokens, before
+    entrypoint = services["monitoring-config"]["entrypoint"]
+    assert entrypoint[entrypoint.index("--owner") + 1] == "65534:65534"  # the monitoring images' user, nobody
+
+
+def test_the_gateway_is_published_on_loopback_unless_the_operator_opts_in(services) -> None:
+    for name in ("appliance", "appliance-cpu"):
+        assert services[name]["ports"][0].startswith("127.0.0.1:8000:8000"), services[name]["ports"]
+        assert services[name]["environment"]["APPLIANCE_API_KEYS_FILE"]  # keys always: a wider bind has them too
+    wide = _compose_config({**REQUIRED_ENV, "APPLIANCE_BIND_ADDRESS": "10.0.0.5"})
+    assert wide.returncode == 0, wide.stderr
+    assert yaml.safe_load(wide.stdout)["services"]["appliance"]["ports"][0].startswith("10.0.0.5:8000:")
+
+
+def test_the_engines_are_reachable_only_on_an_internal_network_prometheus_shares(services) -> None:
+    """Issue 21: engines used to listen on 0.0.0.0 on the shared network (Grafana and Alertmanager could reach them
+    past keys and admission). Now they bind the appliance's alias on `engines`, which only Prometheus also joins."""
+    config = yaml.safe_load(_compose_config(REQUIRED_ENV).stdout)
+    assert config["networks"]["engines"]["internal"] is True
+    members = {name for name, service in services.items() if "engines" in (service.get("networks") or {})}
+    assert members == {"appliance", "appliance-cpu", "prometheus"}
+    for name in ("appliance", "appliance-cpu"):
+        env, networks = services[name]["environment"], services[name]["networks"]
+        assert env["APPLIANCE_ENGINE_HOST"] in networks["engines"]["aliases"]
+        assert env["APPLIANCE_ENGINE_HOST"] not in networks["default"]["aliases"]
+        assert env["APPLIANCE_ENGINE_ADVERTISE_HOST"] == env["APPLIANCE_ENGINE_HOST"]  # what Prometheus resolves

@@ -34,6 +34,8 @@ def register(sub: Any) -> None:
     p.add_argument("--prometheus", type=host_port, default="localhost:9090",
                    help="Prometheus' own HOST:PORT (self-scrape)")
     p.add_argument("--shared", action="store_true", help="make every file world-readable (other containers' users)")
+    p.add_argument("--owner", type=uid_gid, default=None, metavar="UID:GID",
+                   help="hand every file to this user (the monitoring containers'); secrets stay 0600, not shared")
 
     p = add_command(sub, "config", "print the effective configuration as YAML", cmd_config, config=True)
     p.add_argument("--show-secrets", action="store_true",
@@ -90,7 +92,7 @@ def cmd_monitoring_config(args: argparse.Namespace) -> int:
 
     settings = load(args)
     bundle = write_bundle(args.out, settings, gateway=args.gateway, alertmanager=args.alertmanager or None,
-                          prometheus=args.prometheus, shared=args.shared)
+                          prometheus=args.prometheus, shared=args.shared, owner=args.owner)
     print(f"appliance: wrote {bundle.prometheus_config}, {bundle.alertmanager_config} and {bundle.rules_dir}/")
     return 0
 
@@ -109,6 +111,14 @@ def cmd_config(args: argparse.Namespace) -> int:
             command = spec.command if args.show_secrets else redact_argv(spec.command)
             print(f"# {spec.name}: {env} {' '.join(command)}")
     return 0
+
+
+def uid_gid(text: str) -> tuple[int, int]:
+    """``UID:GID`` (numbers: the containers' users need not exist in this one)."""
+    uid, sep, gid = text.partition(":")
+    if not (uid.isdigit() and sep and gid.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected UID:GID (numbers), got {text!r}")
+    return int(uid), int(gid)
 
 
 def ensure_demo_model(models_dir: Path) -> Path:

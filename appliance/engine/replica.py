@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
+from appliance.engine.environment import engine_base_env
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.logs import EngineLogPump
 from appliance.engine.placement import Placement
@@ -201,7 +202,8 @@ class SupervisedReplica:
         if self._staged is not None:
             self.spec, self._staged = self._staged, None
             log.info("%s: starting on the reloaded configuration", self.name)
-        env = {**os.environ, **self.spec.env, PARENT_ENV: str(os.getpid()),
+        # An allow-listed environment, not the appliance's whole one: its secrets never reach an engine.
+        env = {**engine_base_env(os.environ), **self.spec.env, PARENT_ENV: str(os.getpid()),
                GRACE_ENV: str(self.spec.stop_timeout_seconds)}
         # Opens (creates) the log first: a log that cannot be written is a spawn failure, before any process.
         pump = EngineLogPump(self.name, self.spec.log_path, max_bytes=self.spec.log_max_bytes,

@@ -1,5 +1,9 @@
-"""Bearer-token checks: API keys for /v1 (optional), the admin token for /admin (required to enable it), either for
-/sd/targets when API keys are set.
+"""Bearer-token checks, one credential per role, so each part of a deployment holds only what it needs:
+
+- API keys (optional): /v1, and /sd/targets while no metrics token is set;
+- the admin token (operator): every /admin route, and anything a narrower credential opens;
+- the alerts token (optional): /admin/alerts only, Alertmanager's webhook, which then never holds the admin token;
+- the metrics token (optional, read-only): when set, /metrics and /sd/targets need it (Prometheus' credential).
 
 One policy, two callers. ``RequestIntake`` (appliance/gateway/limits.py) applies it to the request's headers before
 anything reads the body, so a stranger's body is never buffered (issue 20); the routes' FastAPI dependencies apply
@@ -16,6 +20,7 @@ from fastapi import Request
 from appliance.http.errors import APIError
 
 Check = Callable[[Any, str | None], APIError | None]
+ALERTS_PATH = "/admin/alerts"  # Alertmanager's webhook (appliance/maintenance/routes.py)
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -50,10 +55,43 @@ def admin_error(settings: Any, authorization: str | None) -> APIError | None:
     return None
 
 
+def alerts_error(settings: Any, authorization: str | None) -> APIError | None:
+    """/admin/alerts (Alertmanager's webhook): the alerts token or the admin token; off (403) without either."""
+    accepted = [token for token in (getattr(settings, "alerts_token", None), settings.admin_token) if token]
+    if not accepted:
+        return APIError(403, "alert webhook disabled: set alerts_token (APPLIANCE_ALERTS_TOKEN) or admin_token",
+                        code="admin_disabled")
+    token = _bearer(authorization)
+    if token is None or not _matches(token, accepted):
+        return APIError(401, "invalid or missing alerts or admin token", code="invalid_admin_token",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def metrics_error(settings: Any, authorization: str | None) -> APIError | None:
+    """/metrics: open unless a metrics token is set; then that token or the admin token."""
+    metrics_token = getattr(settings, "metrics_token", None)
+    if not metrics_token:
+        return None
+    return _metrics_or_admin(settings, metrics_token, authorization)
+
+
+def _metrics_or_admin(settings: Any, metrics_token: str, authorization: str | None) -> APIError | None:
+    token = _bearer(authorization)
+    accepted = [metrics_token, *([settings.admin_token] if settings.admin_token else [])]
+    if token is None or not _matches(token, accepted):
+        return APIError(401, "invalid or missing metrics or admin token (Authorization: Bearer <token>)",
+                        code="invalid_metrics_token", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
 def api_key_or_admin_error(settings: Any, authorization: str | None) -> APIError | None:
-    """For what only the deployment's own tools need when clients must authenticate (/sd/targets lists the
-    engines' addresses): open when no API keys are set, like /v1; otherwise an API key or the admin token, which
-    is what Prometheus sends (http_sd_configs.authorization)."""
+    """/sd/targets (it lists the engines' addresses), only the deployment's own tools need it. With a metrics
+    token: that token or the admin token, which is what Prometheus sends (http_sd_configs.authorization).
+    Without one: open when no API keys are set, like /v1; otherwise an API key or the admin token."""
+    metrics_token = getattr(settings, "metrics_token", None)
+    if metrics_token:
+        return _metrics_or_admin(settings, metrics_token, authorization)
     if not settings.api_keys:
         return None
     token = _bearer(authorization)
@@ -65,14 +103,18 @@ def api_key_or_admin_error(settings: Any, authorization: str | None) -> APIError
 
 
 def check_for_path(path: str) -> Check | None:
-    """The check a path needs, by the prefix its routes are mounted at; None: open (/health, /metrics, the docs,
-    which api_docs_urls turns off when API keys are set). ``path`` is the one Starlette routes on."""
+    """The check a path needs, by the prefix its routes are mounted at; None: open (/health, the docs, which
+    api_docs_urls turns off when API keys are set). ``path`` is the one Starlette routes on."""
     if path == "/v1" or path.startswith("/v1/"):
         return api_key_error
+    if path.rstrip("/") == ALERTS_PATH:
+        return alerts_error
     if path == "/admin" or path.startswith("/admin/"):
         return admin_error
     if path == "/sd/targets":
         return api_key_or_admin_error
+    if path == "/metrics":
+        return metrics_error
     return None
 
 
@@ -92,7 +134,14 @@ async def require_api_key(request: Request) -> None:
 
 
 async def require_admin(request: Request) -> None:
-    _raise(admin_error(request.app.state.settings, request.headers.get("authorization")))
+    """Every /admin route's dependency: the admin token, except on /admin/alerts, which also takes the alerts
+    token (the routes share one router; the path decides, as in ``check_for_path``)."""
+    check = alerts_error if getattr(request.scope.get("route"), "path", None) == ALERTS_PATH else admin_error
+    _raise(check(request.app.state.settings, request.headers.get("authorization")))
+
+
+async def require_metrics(request: Request) -> None:
+    _raise(metrics_error(request.app.state.settings, request.headers.get("authorization")))
 
 
 async def require_api_key_or_admin(request: Request) -> None:

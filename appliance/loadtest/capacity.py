@@ -69,6 +69,7 @@ class CapacityConfig:
     soak_window_s: float | None = None
     metrics_url: str | None = None
     metric_overrides: dict[str, str] = field(default_factory=dict)
+    metrics_token: str | None = None
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -259,7 +260,8 @@ class CapacitySearch:
             await asyncio.sleep(cfg.settle_s)
         clock = monotonic_clock()
         window = cfg.window_s
-        poller = MetricsPoller(cfg.metrics_url or "", min(window / 2.0, 15.0), clock, dict(cfg.metric_overrides))
+        poller = MetricsPoller(cfg.metrics_url or "", min(window / 2.0, 15.0), clock, dict(cfg.metric_overrides),
+                               token=cfg.metrics_token)
         stop = asyncio.Event()
         poll = asyncio.create_task(poller.run(stop)) if cfg.metrics_url else None
         spec = LoadSpec(concurrency=concurrency, duration=cfg.soak_s, warmup=concurrency, seed=cfg.seed,

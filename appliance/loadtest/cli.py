@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the handlers import these when they run: `appliance status`
 # Where --api-key comes from when not given: the keys the appliance's gateway accepts (the first of them), then
 # the name this client read before it followed the server's (deprecated), then the OpenAI clients' variable.
 API_KEYS_ENV = "APPLIANCE_API_KEYS"
+API_KEYS_FILE_ENV = "APPLIANCE_API_KEYS_FILE"
 DEPRECATED_API_KEY_ENV = "APPLIANCE_API_KEY"
 API_KEY_ENV = (API_KEYS_ENV, DEPRECATED_API_KEY_ENV, "OPENAI_API_KEY")
 
@@ -97,7 +98,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="which OpenAI endpoint to load")
     p.add_argument("--api-key", default=None,
-                   help=f"bearer token (default: the first key of ${API_KEYS_ENV}, as the gateway reads it, else "
+                   help=f"bearer token (default: the first key of ${API_KEYS_ENV} or of the file ${API_KEYS_FILE_ENV} "
+                        f"names, as the gateway reads them, else "
                         f"${' or $'.join(API_KEY_ENV[1:])}; ${DEPRECATED_API_KEY_ENV} is deprecated)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="synthetic prompt length in tokens")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="output tokens per request")
@@ -160,7 +162,8 @@ def _add_capacity(sub: Any) -> None:
                    help="re-run a probe batch the client could not drive (lag over --max-lag-ms) this many times "
                         "before the search stops as invalid")
     p.add_argument("--metrics-url", type=http_url,
-                   help="the appliance's /metrics (default: the URL's origin + /metrics)")
+                   help="the appliance's /metrics (default: the URL's origin + /metrics), read with "
+                        "$APPLIANCE_METRICS_TOKEN or $APPLIANCE_METRICS_TOKEN_FILE, else the admin token")
     p.add_argument("--memory-metric", help="host memory metric (default: appliance_engine_resident_memory_bytes, "
                                            "else process_resident_memory_bytes)")
     p.add_argument("--device-memory-metric", help="device memory metric (default: appliance_engine_gpu_memory_bytes, "
@@ -215,11 +218,24 @@ def api_key_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
     keys = [key.strip() for key in environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
     if keys:
         return keys[0]
+    if key := first_key_in_file(environ.get(API_KEYS_FILE_ENV)):
+        return key
     if environ.get(DEPRECATED_API_KEY_ENV):
         print(f"appliance: ${DEPRECATED_API_KEY_ENV} is deprecated; set ${API_KEYS_ENV} (the gateway's name)",
               file=sys.stderr)
         return environ[DEPRECATED_API_KEY_ENV]
     return environ.get("OPENAI_API_KEY") or None
+
+
+def first_key_in_file(path: str | None) -> str | None:
+    """The first key of an api_keys_file (one key per line; blank lines and # comments skipped), None without one."""
+    if not path:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")), None)
 
 
 def _check_out(out: Path) -> None:
@@ -315,6 +331,7 @@ def _bench_line(report: dict[str, Any], out: Path) -> str:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
+    from appliance.admin_client import metrics_token
     from appliance.loadtest.bench import BenchError, default_metrics_url
     from appliance.loadtest.capacity import CapacityConfig, run_capacity
     from appliance.loadtest.prompts import PromptError
@@ -334,7 +351,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             metric_overrides={k: v for k, v in (("memory_bytes", args.memory_metric),
                                                  ("device_memory_bytes", args.device_memory_metric),
                                                  ("kv_usage", args.kv_metric)) if v},
-            progress=args.progress)
+            metrics_token=metrics_token(), progress=args.progress)
         asyncio.run(_check_target(target))
         prompts, info = _prompts(args, target)
         run = asyncio.run(run_capacity(config, prompts, log=lambda m: print(f"capacity: {m}", file=sys.stderr)))

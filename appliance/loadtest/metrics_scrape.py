@@ -92,6 +92,7 @@ class MetricsPoller:
     interval_s: float
     clock: Callable[[], float]
     overrides: dict[str, str] = field(default_factory=dict)
+    token: str | None = None  # bearer credential: /metrics requires one where the appliance sets metrics_token
     readings: list[Reading] = field(default_factory=list)
     failures: int = 0
     last_error: str | None = None
@@ -106,7 +107,8 @@ class MetricsPoller:
 
     async def scrape_once(self, session: aiohttp.ClientSession) -> Reading | None:
         try:
-            async with session.get(self.url) as resp:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+            async with session.get(self.url, headers=headers) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")
                 text = await resp.text()

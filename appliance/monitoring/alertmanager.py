@@ -2,7 +2,7 @@
 
 Why structural rather than text substitution: a receiver whose webhook URL is not configured must become a
 valid null receiver (no ``webhook_configs``), which text replacement cannot do without leaving ``url: ""``
-that Alertmanager rejects; and secrets (the admin token) must never be able to break the YAML's shape.
+that Alertmanager rejects; and secrets (the webhook's token) must never be able to break the YAML's shape.
 
     python -m appliance.monitoring.alertmanager alerts/alertmanager.yml --out var/alertmanager.yml
 """
@@ -24,7 +24,7 @@ from appliance.paths import ALERTS_DIR
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 KNOWN = frozenset({"APPLIANCE_PAGER_WEBHOOK_URL", "APPLIANCE_TICKET_WEBHOOK_URL", "APPLIANCE_WATCHDOG_WEBHOOK_URL",
-                   "APPLIANCE_ALERTS_WEBHOOK_URL", "APPLIANCE_ADMIN_TOKEN"})
+                   "APPLIANCE_ALERTS_WEBHOOK_URL", "APPLIANCE_ALERTS_TOKEN"})
 log = logging.getLogger(__name__)
 HEADER = "# Rendered from alerts/alertmanager.yml by appliance.monitoring.alertmanager: do not edit.\n"
 
@@ -41,7 +41,7 @@ def render_alertmanager_config(template: str, env: Mapping[str, str]) -> str:
     """The Alertmanager YAML for this environment.
 
     A webhook config is kept only when every variable it uses is set and not empty: an unset URL (or, for the
-    appliance's own receiver, an unset admin token, without which /admin answers 403) drops it, with a warning
+    appliance's own receiver, an unset alerts token, without which /admin/alerts answers 403) drops it, with a warning
     when its URL was set. A receiver left without webhook configs is a valid null receiver.
     """
     config = yaml.safe_load(template)

@@ -50,27 +50,42 @@ def assets_dir(settings: Settings) -> Path:
 
 
 def sd_bearer_token(settings: Settings) -> str | None:
-    """The token Prometheus' HTTP SD sends to the gateway's /sd/targets, which needs one when API keys are set:
-    the admin token, or (no admin token) the first API key; None when /sd/targets is open."""
+    """The token Prometheus' HTTP SD sends to the gateway's /sd/targets: the read-only metrics token when set;
+    else, when API keys close /sd/targets, the admin token, or (no admin token) the first API key; None when
+    /sd/targets is open."""
+    if settings.metrics_token:
+        return settings.metrics_token
     if not settings.api_keys:
         return None
     return settings.admin_token or settings.api_keys[0]
 
 
+def alerts_bearer_token(settings: Settings) -> str | None:
+    """The token Alertmanager's webhook sends to /admin/alerts: the alerts token, which opens that route only;
+    else the admin token; None: the appliance's receiver is dropped (the route would answer 403)."""
+    return settings.alerts_token or settings.admin_token
+
+
 def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: str | None, prometheus: str,
-                 env: Mapping[str, str] | None = None, shared: bool = False) -> Bundle:
+                 env: Mapping[str, str] | None = None, shared: bool = False,
+                 owner: tuple[int, int] | None = None) -> Bundle:
     """Render Prometheus' and Alertmanager's configuration and copy the rules into ``out``.
 
     ``env`` fills the Alertmanager template's webhook URLs; the appliance's own webhook defaults to the gateway's
-    /admin/alerts with the admin token. ``shared``: files readable by other users (compose containers run as
-    other users); otherwise the files holding a secret are private to this user: the Alertmanager config (the admin
-    token) and, when API keys are set, the Prometheus config (its /sd/targets bearer token).
+    /admin/alerts with the alerts token (else the admin token). ``shared``: files readable by other users (compose
+    containers run as other users; put the folder where only they can reach it); otherwise the files holding a
+    secret are private to this user: the Alertmanager config (its webhook token) and, when it holds a token, the
+    Prometheus config (the metrics token, or the /sd/targets token with API keys). ``owner`` (uid, gid): every
+    file is handed to that user, the files holding a secret stay 0600: how compose's init container
+    (root) gives them to the Prometheus and Alertmanager containers' user without making them world-readable.
     """
     alerts = assets_dir(settings) / "alerts"
     values = dict(os.environ if env is None else env)
     values.setdefault("APPLIANCE_ALERTS_WEBHOOK_URL", f"http://{gateway}/admin/alerts")
-    if settings.admin_token:
-        values.setdefault("APPLIANCE_ADMIN_TOKEN", settings.admin_token)
+    for name in ("APPLIANCE_ADMIN_TOKEN", "APPLIANCE_ALERTS_TOKEN"):  # from the settings only: files included
+        values.pop(name, None)
+    if (webhook_token := alerts_bearer_token(settings)) is not None:
+        values["APPLIANCE_ALERTS_TOKEN"] = webhook_token
     bundle = Bundle(out)
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
@@ -81,10 +96,14 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     token = sd_bearer_token(settings)
     atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
-        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds, sd_bearer_token=token),
+        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds, sd_bearer_token=token,
+        metrics_bearer_token=settings.metrics_token),
         mode=0o644 if shared or token is None else 0o600)
     alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
     atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)
+    if owner is not None:  # files only: the folders stay the writer's, so that the next render can replace them
+        for path in (*bundle.rules_dir.iterdir(), bundle.prometheus_config, bundle.alertmanager_config):
+            os.chown(path, *owner)
     return bundle
 
 

@@ -89,9 +89,10 @@ class LocalMonitoring:
 
 
 def prometheus_argv(binary: str, bundle: Bundle, state: Path, cfg: MonitoringSettings) -> list[str]:
+    """No ``--web.enable-lifecycle``: on 127.0.0.1 any local user could ``POST /-/quit`` or ``/-/reload``. Nothing
+    here reloads Prometheus; should something need to, SIGHUP from the parent does it without that API."""
     return [binary, f"--config.file={bundle.prometheus_config}", f"--storage.tsdb.path={state / 'prometheus'}",
-            f"--storage.tsdb.retention.time={cfg.retention}", f"--web.listen-address=127.0.0.1:{cfg.prometheus_port}",
-            "--web.enable-lifecycle"]
+            f"--storage.tsdb.retention.time={cfg.retention}", f"--web.listen-address=127.0.0.1:{cfg.prometheus_port}"]
 
 
 def alertmanager_argv(binary: str, bundle: Bundle, state: Path, port: int) -> list[str]:

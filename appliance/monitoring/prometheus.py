@@ -17,9 +17,10 @@ RULE_FILES = ("recording.rules.yaml", "alerts.rules.yaml")
 def prometheus_config(*, gateway: str, alertmanager: str | None, scrape_interval_seconds: int,
                       prometheus: str = "localhost:9090", rules_dir: str = "rules",
                       external_labels: dict[str, str] | None = None,
-                      sd_bearer_token: str | None = None) -> dict[str, Any]:
+                      sd_bearer_token: str | None = None, metrics_bearer_token: str | None = None) -> dict[str, Any]:
     """Prometheus' YAML as a dict. Addresses are host:port as Prometheus reaches them. ``sd_bearer_token``: the
-    token /sd/targets requires when the gateway has API keys (its admin token)."""
+    token /sd/targets requires (the metrics token, else with API keys the admin token); ``metrics_bearer_token``:
+    the one the gateway's /metrics requires (its metrics token, when set)."""
     interval = f"{scrape_interval_seconds}s"
     config: dict[str, Any] = {
         "global": {
@@ -40,6 +41,8 @@ def prometheus_config(*, gateway: str, alertmanager: str | None, scrape_interval
     if sd_bearer_token:
         config["scrape_configs"][1]["http_sd_configs"][0]["authorization"] = {"type": "Bearer",
                                                                               "credentials": sd_bearer_token}
+    if metrics_bearer_token:
+        config["scrape_configs"][0]["authorization"] = {"type": "Bearer", "credentials": metrics_bearer_token}
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
         config["scrape_configs"].append({"job_name": "alertmanager", "static_configs": [{"targets": [alertmanager]}]})

@@ -85,6 +85,10 @@ class ComposeStack:
     workdir: Path
     project: str = field(default_factory=lambda: f"appliance-test-{secrets.token_hex(3)}")
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    # One credential per role (issue 21), each a file under secrets_dir, as docs/compose.md has the operator do.
+    alerts_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    metrics_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    api_key: str = field(default_factory=lambda: secrets.token_hex(16))
     ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,9 +99,28 @@ class ComposeStack:
         # or secrets) must not change the stack under test. docker-compose reads it unless given another file.
         self.env_file = self.workdir / "empty.env"
         self.env_file.write_text("")
+        self.secrets_dir = self._write_secrets()
         self.appliance_env_file = self.workdir / "appliance.env"
         self.appliance_env_file.write_text(f"APPLIANCE_SERVED_MODEL_NAME={SERVED_MODEL_NAME}\n"
                                            f"APPLIANCE_ENGINE__MAX_MODEL_LEN={MAX_MODEL_LEN}\n")
+
+    def _write_secrets(self) -> Path:
+        """docs/compose.md's layout: root-owned files the image's group (10001) can read, nobody else (0440)."""
+        folder = self.workdir / "secrets"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        values = {"admin-token": self.admin_token, "alerts-token": self.alerts_token,
+                  "metrics-token": self.metrics_token, "api-keys": f"# clients\n{self.api_key}\n"}
+        for name, value in values.items():
+            path = folder / name
+            path.write_text(value + ("" if value.endswith("\n") else "\n"))
+            os.chown(path, 0, 10001)
+            path.chmod(0o440)
+        return folder
+
+    @property
+    def client_headers(self) -> dict[str, str]:
+        """What a client sends: compose always has API keys."""
+        return {"authorization": f"Bearer {self.api_key}"}
 
     @property
     def gateway(self) -> str:
@@ -132,7 +155,7 @@ class ComposeStack:
     def env(self) -> dict[str, str]:
         clean = {k: v for k, v in self.podman.env.items()
                  if not k.startswith(("APPLIANCE_", "GRAFANA_", "COMPOSE_", "PROMETHEUS_", "MONITORING_"))}
-        return {**clean, "COMPOSE_PROFILES": "cpu", "APPLIANCE_ADMIN_TOKEN": self.admin_token,
+        return {**clean, "COMPOSE_PROFILES": "cpu", "APPLIANCE_SECRETS_DIR": str(self.secrets_dir),
                 "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(8), "APPLIANCE_ENV_FILE": str(self.appliance_env_file),
                 **{k: str(v) for k, v in self.ports.items()}}
 
@@ -160,7 +183,8 @@ class ComposeStack:
             self.podman("rm", "-f", "-t", "1", container, check=False)
         for volume in self.podman("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
             self.podman("volume", "rm", "-f", volume, check=False)
-        self.podman("network", "rm", "-f", f"{self.project}_default", check=False)
+        for network in ("default", "engines"):
+            self.podman("network", "rm", "-f", f"{self.project}_{network}", check=False)
 
     def container(self, service: str) -> str:
         return self.compose("ps", "-q", service).stdout.strip()

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
 
-from tests.compose.stack import MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, ComposeStack
+from tests.compose.stack import MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, SERVICES, ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
 
@@ -45,7 +46,9 @@ def test_the_cpu_profile_builds_the_demo_model_as_its_user_and_streams(compose_s
     assert owner.strip() == "10001"
     body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 16,
             "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{compose_stack.gateway}/v1/chat/completions", json=body, timeout=120) as response:
+    assert httpx.post(f"{compose_stack.gateway}/v1/chat/completions", json=body, timeout=30).status_code == 401
+    with httpx.stream("POST", f"{compose_stack.gateway}/v1/chat/completions", json=body, timeout=120,
+                      headers=compose_stack.client_headers) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line]
     chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
@@ -60,7 +63,8 @@ def test_the_env_file_configures_the_model_and_the_engine(compose_stack: Compose
     argv = compose_stack.vllm_server().cmdline()
     assert argv[argv.index("--served-model-name") + 1] == SERVED_MODEL_NAME, argv
     assert argv[argv.index("--max-model-len") + 1] == str(MAX_MODEL_LEN), argv
-    card = httpx.get(f"{compose_stack.gateway}/v1/models", timeout=10).json()["data"][0]
+    card = httpx.get(f"{compose_stack.gateway}/v1/models", timeout=10,
+                     headers=compose_stack.client_headers).json()["data"][0]
     assert (card["id"], card["max_model_len"]) == (SERVED_MODEL_NAME, MAX_MODEL_LEN)
     # tini runs `appliance up ... --config FILE`: the file `appliance reload` reads again, mounted from the host.
     assert "/etc/appliance/appliance.yaml" in compose_stack.init_process().cmdline()
@@ -88,7 +92,7 @@ def test_monitoring_is_published_on_loopback_only_and_prometheus_lifecycle_is_of
         published = compose_stack.compose("port", service, str(port)).stdout.strip()
         assert published.startswith("127.0.0.1:"), (service, published)
     gateway = compose_stack.compose("port", "appliance-cpu", "8000").stdout.strip()
-    assert gateway.split(":")[0] in ("", "0.0.0.0"), gateway  # clients reach the gateway; the tools stay local
+    assert gateway.startswith("127.0.0.1:"), gateway  # issue 21: a wider bind is the operator's explicit choice
     reload = httpx.post(f"{compose_stack.prometheus}/-/reload", timeout=10)
     assert reload.status_code == 403 and "Lifecycle API is not enabled" in reload.text
 
@@ -152,6 +156,87 @@ def test_the_runbooks_compose_commands_work(compose_stack: ComposeStack) -> None
     assert "replica-0" in status and "ready" in status, status
 
 
+def test_every_service_runs_without_capabilities_read_only_and_without_privilege_gain(
+        compose_stack: ComposeStack) -> None:
+    """Issue 21, checked on the running processes (the kernel's view, not compose's): PID 1 of each service and
+    the vLLM server hold no effective capability and have no_new_privs set; the root filesystems are read-only."""
+    processes = {service: compose_stack.init_process(service) for service in SERVICES}
+    processes["vllm"] = compose_stack.vllm_server()
+    for name, process in processes.items():
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, (name, status["CapEff"])
+        assert status["NoNewPrivs"].strip() == "1", name
+    for service in SERVICES:
+        inspect = json.loads(compose_stack.podman("inspect", compose_stack.container(service)).stdout)[0]
+        assert inspect["HostConfig"]["ReadonlyRootfs"] is True, service
+        written = compose_stack.podman("exec", compose_stack.container(service), "touch", "/written", check=False)
+        assert written.returncode != 0 and "Read-only file system" in written.stderr, (service, written.stderr)
+    # The demo model, logs and torch's compile cache still have somewhere to go: the stack served above.
+    exec_in(compose_stack, "appliance-cpu", "touch", "/tmp/x", "/var/lib/appliance/x")
+
+
+def test_secrets_arrive_as_private_files_and_each_service_holds_only_its_own(compose_stack: ComposeStack) -> None:
+    """Issue 21: no container's environment holds a secret (docker inspect, /proc/<pid>/environ of every process,
+    engines included); the secret files are not world-readable; the rendered monitoring files holding tokens are
+    0600 and Prometheus'/Alertmanager's; Alertmanager holds the alerts token and Prometheus the metrics token,
+    neither the admin token."""
+    stack = compose_stack
+    every_secret = [stack.admin_token, stack.alerts_token, stack.metrics_token, stack.api_key]
+    for service in ["monitoring-config", *SERVICES]:
+        container = stack.podman("ps", "-aq", "--filter", f"label=com.docker.compose.project={stack.project}",
+                                 "--filter", f"label=com.docker.compose.service={service}").stdout.split()[0]
+        env = json.dumps(json.loads(stack.podman("inspect", container).stdout)[0]["Config"]["Env"])
+        assert not [s for s in every_secret if s in env], service
+    for process in stack.processes():
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes()
+        assert not [s for s in every_secret if s.encode() in environ], process.cmdline()
+    modes = exec_in(stack, "appliance-cpu", "stat", "-c", "%a %U %n", "/run/secrets/admin_token",
+                    "/run/secrets/api_keys").splitlines()
+    assert [line.split()[0] for line in modes] == ["440", "440"], modes
+    for service, path, token in (("prometheus", "/etc/prometheus/generated/prometheus.yml", stack.metrics_token),
+                                 ("alertmanager", "/etc/alertmanager/generated/alertmanager.yml", stack.alerts_token)):
+        assert exec_in(stack, service, "stat", "-c", "%a %u", path).split() == ["600", "65534"], service
+        text = exec_in(stack, service, "cat", path)
+        assert token in text and stack.admin_token not in text and stack.api_key not in text, service
+    # The read-only role: /metrics needs the metrics (or admin) token; Prometheus scraped it above with its own.
+    assert httpx.get(f"{stack.gateway}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{stack.gateway}/metrics", timeout=10,
+                     headers={"authorization": f"Bearer {stack.metrics_token}"}).status_code == 200
+    assert httpx.get(f"{stack.gateway}/admin/status", timeout=10,
+                     headers={"authorization": f"Bearer {stack.metrics_token}"}).status_code == 401
+    # Alertmanager's webhook got through with the alerts token it holds (a 401 would count nothing): the alerts of
+    # the crash test above, or the always-firing Watchdog.
+    metrics = {"authorization": f"Bearer {stack.metrics_token}"}
+
+    def webhook_alerts() -> float:
+        text = httpx.get(f"{stack.gateway}/metrics", timeout=10, headers=metrics).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("appliance_alert_webhook_alerts_total{"))
+
+    eventually(lambda: webhook_alerts() > 0, 180, "alerts received on /admin/alerts with the alerts token")
+
+
+def test_only_prometheus_reaches_the_engines(compose_stack: ComposeStack) -> None:
+    """Issue 21: the engines listen on the appliance's address on the internal `engines` network only; Prometheus
+    shares it (the vLLM target is up, above), Alertmanager does not: neither the name nor the address answers."""
+    argv = compose_stack.vllm_server().cmdline()
+    assert argv[argv.index("--host") + 1] == "appliance-engines", argv
+    inspect = json.loads(compose_stack.podman("inspect", compose_stack.container("appliance-cpu")).stdout)[0]
+    address = inspect["NetworkSettings"]["Networks"][f"{compose_stack.project}_engines"]["IPAddress"]
+    port = 8100
+    probe = "wget -q -T 3 -t 1 -O /dev/null http://{}:{}/health && echo reached || echo refused"
+    reached = exec_in(compose_stack, "prometheus", "sh", "-c", probe.format("appliance-engines", port)).strip()
+    assert reached == "reached"
+    for target in ("appliance-engines", address, "appliance"):
+        got = exec_in(compose_stack, "alertmanager", "sh", "-c", probe.format(target, port)).strip()
+        assert got == "refused", target
+    # On loopback inside its own container the engine is not listening either: only the internal address.
+    local = exec_in(compose_stack, "appliance-cpu", "sh", "-c",
+                    f"curl -fsS -m 3 http://127.0.0.1:{port}/health && echo reached || echo refused").strip()
+    assert local.endswith("refused"), local
+
+
 def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose_stack: ComposeStack) -> None:
     """Last: it takes the stack down. SIGTERM from `docker-compose down` while streams run: readiness turns 503,
     every stream runs to its end, the container exits 0 within the grace period. The vLLM server is paused
@@ -162,7 +247,8 @@ def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose
                               text=True)
     results: list[list[str]] = []
     started = threading.Barrier(STREAMS + 1)
-    threads = [threading.Thread(target=_stream, args=(compose_stack.gateway, started, results)) for _ in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(compose_stack.gateway, compose_stack.client_headers, started,
+                                                      results)) for _ in range(STREAMS)]
     for thread in threads:
         thread.start()
     started.wait(timeout=120)
@@ -188,12 +274,12 @@ def test_compose_down_drains_in_flight_streams_and_the_appliance_exits_0(compose
     assert down.returncode == 0, down_out
 
 
-def _stream(gateway: str, started: threading.Barrier, results: list[list[str]]) -> None:
+def _stream(gateway: str, headers: dict[str, str], started: threading.Barrier, results: list[list[str]]) -> None:
     body = {"model": SERVED_MODEL_NAME, "prompt": "The import system", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}
     events: list[str] = []
     try:
-        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=300) as response:
+        with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=300, headers=headers) as response:
             lines = response.iter_lines()
             events.append(next(lines))
             started.wait(timeout=120)

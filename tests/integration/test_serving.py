@@ -11,11 +11,13 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from tests.integration.conftest import ADMIN_TOKEN
 from tests.processes import paused
 
 pytestmark = pytest.mark.engine
@@ -44,6 +46,18 @@ def test_engines_run_the_int8_kernel(appliance):
     logs = [(appliance.state_dir / "logs" / f"engine-{i}.log").read_text() for i in range(appliance.replicas)]
     for log in logs:  # vLLM names the linear kernel it picked for the W8A8 INT8 scheme
         assert "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" in log
+
+
+def test_engines_hold_no_appliance_secret(appliance):
+    """Issue 21: the launcher, vLLM's server and its engine core get an allow-listed environment: the admin token
+    the appliance was started with is nowhere in /proc/<pid>/environ (vLLM's own variables are)."""
+    processes = [p for i in range(appliance.replicas)
+                 for p in (psutil.Process(appliance.vllm_server_pid(i)), *appliance.engine_core_processes(i))]
+    processes += appliance.engine_processes()
+    for process in processes:
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes()
+        assert ADMIN_TOKEN.encode() not in environ and b"APPLIANCE_ADMIN_TOKEN=" not in environ, process.cmdline()
+        assert b"VLLM_CPU_KVCACHE_SPACE=" in environ or "appliance.engine.launch" not in process.cmdline()
 
 
 def test_both_replicas_serve_traffic(appliance):

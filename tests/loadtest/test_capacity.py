@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import aiohttp
 import pytest
 
 from appliance.loadtest.bench import SLO, Target
@@ -197,3 +198,37 @@ def test_metrics_reading() -> None:
     assert reading.values == {"memory_bytes": 3e9, "device_memory_bytes": 7e10, "kv_usage": 0.75}
     explicit = read(text, 1.0, {"memory_bytes": "process_resident_memory_bytes", "kv_usage": "absent"})
     assert explicit.values["memory_bytes"] == 5e8 and explicit.values["kv_usage"] is None
+
+
+def test_the_metrics_scrape_carries_the_metrics_credential() -> None:
+    """An appliance with metrics_token set answers /metrics 401 without it (issue 21): the soak's scrapes send
+    the token they are given, and count a refusal as a failed scrape."""
+    from aiohttp import web
+
+    from appliance.loadtest.metrics_scrape import MetricsPoller
+
+    async def metrics(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer m-token":
+            return web.Response(status=401)
+        return web.Response(text="appliance_engine_kv_cache_usage_ratio 0.25\n")
+
+    async def scrape(token: str | None) -> MetricsPoller:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        poller = MetricsPoller(f"http://127.0.0.1:{port}/metrics", 1.0, lambda: 0.0, token=token)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await poller.scrape_once(session)
+        finally:
+            await runner.cleanup()
+        return poller
+
+    refused = asyncio.run(scrape(None))
+    assert (refused.failures, refused.last_error) == (1, "ValueError: HTTP 401")
+    allowed = asyncio.run(scrape("m-token"))
+    assert allowed.failures == 0 and allowed.readings[0].values["kv_usage"] == 0.25

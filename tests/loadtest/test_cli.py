@@ -152,3 +152,28 @@ def test_the_api_key_comes_from_the_gateways_variable_first(capsys: pytest.Captu
     assert "deprecated" in capsys.readouterr().err
     assert api_key_from_env({"OPENAI_API_KEY": "o"}) == "o"
     assert api_key_from_env({}) is None
+
+
+def test_the_api_key_and_metrics_token_come_from_their_files_too(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compose and Kubernetes hand the appliance its secrets as files (api_keys_file, metrics_token_file): the
+    load tools read the same files, first key first, comments skipped."""
+    from appliance.admin_client import metrics_token
+    from appliance.loadtest.cli import api_key_from_env
+
+    keys = tmp_path / "api-keys"
+    keys.write_text("# team a\n\nk-file\nk2\n")
+    assert api_key_from_env({"APPLIANCE_API_KEYS_FILE": str(keys)}) == "k-file"
+    assert api_key_from_env({"APPLIANCE_API_KEYS": "k-env", "APPLIANCE_API_KEYS_FILE": str(keys)}) == "k-env"
+    assert api_key_from_env({"APPLIANCE_API_KEYS_FILE": str(tmp_path / "missing")}) is None
+    token = tmp_path / "metrics-token"
+    token.write_text("m-token\n")
+    for name in ("APPLIANCE_METRICS_TOKEN", "APPLIANCE_ADMIN_TOKEN", "APPLIANCE_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("APPLIANCE_METRICS_TOKEN_FILE", str(token))
+    assert metrics_token() == "m-token"
+    monkeypatch.delenv("APPLIANCE_METRICS_TOKEN_FILE")
+    assert metrics_token() is None
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "admin")
+    assert metrics_token() == "admin"  # /metrics accepts the admin token too

@@ -18,7 +18,7 @@ FULL_ENV = {
     "APPLIANCE_TICKET_WEBHOOK_URL": "http://tickets.example:9000/hook",
     "APPLIANCE_WATCHDOG_WEBHOOK_URL": "http://deadman.example:9000/ping",
     "APPLIANCE_ALERTS_WEBHOOK_URL": "http://127.0.0.1:8000/admin/alerts",
-    "APPLIANCE_ADMIN_TOKEN": "s3cret",
+    "APPLIANCE_ALERTS_TOKEN": "s3cret",
 }
 
 
@@ -56,12 +56,12 @@ def test_appliance_receiver_without_token_is_null(caplog: pytest.LogCaptureFixtu
     """/admin answers 403 without a token: posting there would only fill Alertmanager's logs with failures."""
     text = render_alertmanager_config(TEMPLATE, {"APPLIANCE_ALERTS_WEBHOOK_URL": "http://127.0.0.1:8000/admin/alerts"})
     assert "webhook_configs" not in receivers(text)["appliance"]
-    assert "APPLIANCE_ADMIN_TOKEN unset" in caplog.text
+    assert "APPLIANCE_ALERTS_TOKEN unset" in caplog.text
 
 
 def test_secrets_cannot_break_the_yaml() -> None:
     token = 'x"\n  evil: [1'
-    got = receivers(render_alertmanager_config(TEMPLATE, {**FULL_ENV, "APPLIANCE_ADMIN_TOKEN": token}))
+    got = receivers(render_alertmanager_config(TEMPLATE, {**FULL_ENV, "APPLIANCE_ALERTS_TOKEN": token}))
     assert got["appliance"]["webhook_configs"][0]["http_config"]["authorization"]["credentials"] == token
 
 

@@ -111,3 +111,65 @@ def test_runbook_links_point_at_the_configured_public_url(tmp_path) -> None:
         for rule in group["rules"]:
             rule["annotations"]["runbook_url"] = urls[rule["alert"]]
     assert groups == source
+
+
+def _job(bundle, name: str) -> dict:
+    return next(job for job in yaml.safe_load(bundle.prometheus_config.read_text())["scrape_configs"]
+                if job["job_name"] == name)
+
+
+def test_prometheus_uses_the_read_only_metrics_token_never_the_admin_token(tmp_path) -> None:
+    """Issue 21: with a metrics token, Prometheus scrapes /metrics and /sd/targets with it, with or without API
+    keys, and its configuration holds no admin token; the file is private (0600)."""
+    for keys in ([], ["k1"]):
+        settings = Settings(admin_token="adm-s3cret", metrics_token="met-t0ken", api_keys=keys)
+        bundle = write_bundle(tmp_path / str(len(keys)), settings, gateway="g:1", alertmanager=None,
+                              prometheus="p:2", env={})
+        assert _sd_authorization(bundle) == {"type": "Bearer", "credentials": "met-t0ken"}
+        assert _job(bundle, "appliance")["authorization"] == {"type": "Bearer", "credentials": "met-t0ken"}
+        assert "adm-s3cret" not in bundle.prometheus_config.read_text() and "k1" not in \
+            bundle.prometheus_config.read_text()
+        assert stat.S_IMODE(bundle.prometheus_config.stat().st_mode) == 0o600
+    plain = write_bundle(tmp_path / "plain", Settings(admin_token="adm-s3cret"), gateway="g:1", alertmanager=None,
+                         prometheus="p:2", env={})
+    assert "authorization" not in _job(plain, "appliance")  # no metrics token: /metrics stays open, as before
+
+
+def test_alertmanager_posts_with_the_alerts_token_when_set_else_the_admin_token(tmp_path) -> None:
+    def credentials(bundle) -> str:
+        return _receivers(bundle)["appliance"]["webhook_configs"][0]["http_config"]["authorization"]["credentials"]
+
+    both = write_bundle(tmp_path / "both", Settings(admin_token="adm-s3cret", alerts_token="alr-t0ken"),
+                        gateway="g:1", alertmanager=None, prometheus="p:2", env={"APPLIANCE_ADMIN_TOKEN": "env-adm"})
+    assert credentials(both) == "alr-t0ken"
+    assert "adm-s3cret" not in both.alertmanager_config.read_text() and "env-adm" not in \
+        both.alertmanager_config.read_text()
+    admin_only = write_bundle(tmp_path / "admin", Settings(admin_token="adm-s3cret"), gateway="g:1",
+                              alertmanager=None, prometheus="p:2", env={})
+    assert credentials(admin_only) == "adm-s3cret"
+    nothing = write_bundle(tmp_path / "none", Settings(), gateway="g:1", alertmanager=None, prometheus="p:2",
+                           env={"APPLIANCE_ALERTS_TOKEN": "stray"})
+    assert not _receivers(nothing)["appliance"].get("webhook_configs")  # /admin/alerts would answer 403
+
+
+def test_owner_hands_the_files_to_the_monitoring_user_and_keeps_secrets_private(tmp_path, monkeypatch) -> None:
+    """compose: the init container (root) gives the bundle to Prometheus' and Alertmanager's user, 0600, instead
+    of making the tokens world-readable (--shared)."""
+    chowned: dict[str, tuple[int, int]] = {}
+    monkeypatch.setattr("appliance.monitoring.bundle.os.chown", lambda path, uid, gid: chowned.update(
+        {str(path): (uid, gid)}))
+    settings = Settings(admin_token="adm", alerts_token="alr", metrics_token="met")
+    bundle = write_bundle(tmp_path, settings, gateway="g:1", alertmanager="a:3", prometheus="p:2", env={},
+                          owner=(65534, 65534))
+    every = [*bundle.rules_dir.iterdir(), bundle.prometheus_config, bundle.alertmanager_config]
+    assert {str(p) for p in every} == set(chowned) and set(chowned.values()) == {(65534, 65534)}
+    for secret_file in (bundle.prometheus_config, bundle.alertmanager_config):
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+
+
+def test_monitoring_config_owner_takes_numbers_only(tmp_path, capsys) -> None:
+    from appliance.cli import main
+
+    with pytest.raises(SystemExit) as exit_code:
+        main(["monitoring-config", "--out", str(tmp_path), "--owner", "nobody"])
+    assert exit_code.value.code == 2 and "UID:GID" in capsys.readouterr().err

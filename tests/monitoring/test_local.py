@@ -48,6 +48,13 @@ def test_real_prometheus_and_alertmanager_start_load_the_rules_and_stop(tmp_path
         assert am == [f"{alertmanager.url}/api/v2/alerts"]
         status = httpx.get(f"{alertmanager.url}/api/v2/status", timeout=5).json()
         assert "receivers" in status["config"]["original"]
+        # Issue 21: no lifecycle API, so no local user can stop or reload the appliance's Prometheus over HTTP.
+        for action in ("quit", "reload"):
+            refused = httpx.post(f"{prometheus.url}/-/{action}", timeout=5)
+            assert refused.status_code == 403 and "Lifecycle API is not enabled" in refused.text
+        time.sleep(0.5)
+        assert prometheus.proc.poll() is None
+        assert httpx.get(f"{prometheus.url}/-/ready", timeout=5).status_code == 200
     finally:
         monitoring.stop()
     assert all(s.proc.returncode == 0 for s in monitoring.services), [s.proc.returncode for s in monitoring.services]

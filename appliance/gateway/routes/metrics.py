@@ -8,12 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from appliance.http.auth import require_api_key_or_admin
+from appliance.http.auth import require_api_key_or_admin, require_metrics
 
 router = APIRouter(tags=["observability"])
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_metrics)])
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -21,7 +21,8 @@ async def metrics(request: Request) -> Response:
 @router.get("/sd/targets", dependencies=[Depends(require_api_key_or_admin)])
 async def sd_targets(request: Request) -> list[dict]:
     """Prometheus HTTP SD: one target group per replica, so Prometheus scrapes vLLM's own metrics directly.
-    The engines' addresses are closed like /v1 when API keys are set (admin token or an API key)."""
+    Closed to all but the metrics and admin tokens when a metrics token is set; otherwise like /v1 when API keys
+    are set (an API key or the admin token)."""
     settings = request.app.state.settings
     groups = []
     for replica in request.app.state.replicas():
