@@ -375,7 +375,7 @@ class Upstream:
                 last = now
                 self.admission.router.note_relayed(replica.name)
                 chunks += chunk.count(b"data: ")
-                tail = chunk[-2048:]
+                tail = (tail + chunk)[-2048:]  # usage and [DONE] may come in two chunks
                 yield chunk
             if upstream in self._cut:
                 raise aiohttp.ClientConnectionError("cut by the gateway")
@@ -443,7 +443,7 @@ class Upstream:
                                 self.metrics.itl.labels(exchange.route).observe(now - last)
                             last = now
                             chunks += 1
-                            tail = out[-2048:]
+                            tail = (tail + out)[-2048:]  # whole events one by one: usage and [DONE] are two
                             yield out
                             if ledger.aborted:
                                 ledger.aborted = False
@@ -467,7 +467,7 @@ class Upstream:
                     if ledger.finished():  # only the closing events were lost: the answer is whole
                         exchange.settle(Outcome.FAILURE)
                         out = ledger.closing()
-                        tail = out[-2048:]
+                        tail = (tail + out)[-2048:]  # whole events one by one: usage and [DONE] are two
                         yield out
                         outcome, status = Outcome.SUCCESS, 200
                         return

@@ -334,3 +334,18 @@ def test_the_metrics_labels_are_the_migration_modules_and_exist_from_the_start()
             assert registry.get_sample_value("appliance_stream_migrations_total",
                                              {"reason": reason, "outcome": outcome}) == 0
     assert registry.get_sample_value("appliance_stream_migration_added_seconds_count", {"route": "chat"}) == 0
+
+
+@pytest.mark.parametrize("breaks", [0, 1])
+def test_the_token_counters_take_the_whole_streams_usage(engines, failures, breaks):
+    """The relay yields whole events one at a time, so the usage event and [DONE] are two: the token counters must
+    still read the usage (they read nothing before, on real vLLM: test_metrics' appliance_tokens_total)."""
+    failures.extend(Failure(after=5, how="reset") for _ in range(breaks))
+    with Gateway(engines) as gw:
+        events = gw.stream("completions", body_for("completions", 12))
+        assert_whole(events, "completions", 12)
+        usage = [e for e in events if isinstance(e, dict)][-1]["usage"]
+        assert wait_until(gw.slots_back)
+        count = gw.registry.get_sample_value
+        assert count("appliance_tokens_total", {"kind": "completion"}) == usage["completion_tokens"] == 12
+        assert count("appliance_tokens_total", {"kind": "prompt"}) == usage["prompt_tokens"]
