@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -46,21 +46,27 @@ WANTED = {
 }
 
 
-def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
-    """Sum the wanted gauges over their label sets (one engine may report several model/engine labels)."""
+def sum_vllm_series(page: bytes, wanted: Mapping[bytes, str]) -> dict[str, float]:
+    """The ``wanted`` vLLM series (sample name -> field), each summed over its label sets (one engine may report
+    several model/engine/finished_reason labels); unparsable lines are skipped. A line scan, not a full text-format
+    parse: this runs on every poll of every engine."""
     values: dict[str, float] = {}
     for line in page.split(b"\n"):
         if not line.startswith(b"vllm:"):
             continue
-        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        field = WANTED.get(name)
+        field = wanted.get(line.split(b"{", 1)[0].split(b" ", 1)[0])
         if field is None:
             continue
         try:
             values[field] = values.get(field, 0.0) + float(line.rsplit(b" ", 1)[1])
         except (IndexError, ValueError):
             continue
-    return EngineLoad(read_at=read_at, **values)
+    return values
+
+
+def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
+    """Sum the wanted gauges over their label sets."""
+    return EngineLoad(read_at=read_at, **sum_vllm_series(page, WANTED))
 
 
 Reading = Callable[[str, "EngineLoad | None"], None]

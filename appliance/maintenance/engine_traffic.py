@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from appliance.engine.contract import Replica
+from appliance.engine.load import sum_vllm_series
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +49,7 @@ class EngineCounts:
 
 def parse_counts(page: bytes) -> EngineCounts:
     """Sum the wanted series over their label sets (finished_reason, model, engine)."""
-    values: dict[str, float] = {}
-    for line in page.split(b"\n"):
-        if not line.startswith(b"vllm:"):
-            continue
-        field = WANTED.get(line.split(b"{", 1)[0].split(b" ", 1)[0])
-        if field is None:
-            continue
-        try:
-            values[field] = values.get(field, 0.0) + float(line.rsplit(b" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-    return EngineCounts(**values)
+    return EngineCounts(**sum_vllm_series(page, WANTED))
 
 
 class EngineTraffic:
