@@ -242,12 +242,7 @@ class StreamLedger:
     def _original(self, obj: dict[str, Any], event: bytes) -> bytes:
         if self.events == 1:
             self.stream_id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get("model")
-        changed = False
-        if "prompt_token_ids" in obj:  # chat: on the first chunk
-            self._prompt(obj.get("prompt_token_ids"))
-            if not self.client_wants_ids:
-                del obj["prompt_token_ids"]
-                changed = True
+        changed = self._take_prompt_ids(obj)  # chat: on the first chunk
         for choice in obj.get("choices") or []:
             changed |= self._track(choice)
         if obj.get("usage"):
@@ -256,14 +251,20 @@ class StreamLedger:
             return event
         return sse(obj)
 
+    def _take_prompt_ids(self, holder: dict[str, Any]) -> bool:
+        """Record the prompt's ids where vLLM puts them (the chunk for chat, the choice for completions); strip them
+        unless the client asked. True if ``holder`` changed."""
+        if "prompt_token_ids" not in holder:
+            return False
+        self._prompt(holder.get("prompt_token_ids"))
+        if self.client_wants_ids:
+            return False
+        del holder["prompt_token_ids"]
+        return True
+
     def _track(self, choice: dict[str, Any]) -> bool:
         """Record one choice's tokens and finish; strip the ids the client did not ask for. True if changed."""
-        changed = False
-        if "prompt_token_ids" in choice:  # completions: on the first chunk
-            self._prompt(choice.get("prompt_token_ids"))
-            if not self.client_wants_ids:
-                del choice["prompt_token_ids"]
-                changed = True
+        changed = self._take_prompt_ids(choice)  # completions: on the first chunk
         ids = choice.get("token_ids")
         if isinstance(ids, list):
             self.sent_ids.extend(ids)

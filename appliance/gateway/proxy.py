@@ -397,14 +397,8 @@ class Upstream:
         finally:
             self._streams.discard(upstream)
             self._cut.discard(upstream)
-            ttft = None if first is None else first - exchange.arrived
-            # The replica is judged on its own time to first token: gateway queueing is admission's doing, and
-            # feeding it back would cut the limit because of the queue, queue more, and cut again.
-            replica_ttft = None if first is None else first - exchange.dispatched
-            exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
-            stream_span.end()
-            self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
-            self._finish(exchange, status)
+            self._end_stream(exchange, stream_span, first=first, replica_first=first, last=last, chunks=chunks,
+                             tail=tail, outcome=outcome, status=status)
 
     async def _relay_migrating(self, exchange: Exchange, span: trace.Span) -> AsyncIterator[bytes]:
         """``_relay`` for a stream that may be continued elsewhere: whole events are relayed (so the ledger knows
@@ -506,12 +500,22 @@ class Upstream:
         finally:
             if pending is not None:
                 pending.span.end()
-            ttft = None if first is None else first - exchange.arrived
-            replica_ttft = None if leg_first is None else leg_first - exchange.dispatched
-            exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
-            stream_span.end()
-            self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
-            self._finish(exchange, status)
+            self._end_stream(exchange, stream_span, first=first, replica_first=leg_first, last=last,
+                             chunks=chunks, tail=tail, outcome=outcome, status=status)
+
+    def _end_stream(self, exchange: Exchange, stream_span: trace.Span, *, first: float | None,
+                    replica_first: float | None, last: float | None, chunks: int, tail: bytes, outcome: Outcome,
+                    status: int) -> None:
+        """Both relays' last step: settle the slot, end the span, observe, log. ``replica_first``: the first event
+        from the replica that answered last (a continuation's own leg). The replica is judged on its own time to
+        first token: gateway queueing is admission's doing, and feeding it back would cut the limit because of
+        the queue, queue more, and cut again."""
+        ttft = None if first is None else first - exchange.arrived
+        replica_ttft = None if replica_first is None else replica_first - exchange.dispatched
+        exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
+        stream_span.end()
+        self._observe_stream(exchange, ttft, first, last, chunks, tail, outcome)
+        self._finish(exchange, status)
 
     def _cannot_continue(self, exchange: Exchange, ledger: migration.StreamLedger, exc: BaseException
                          ) -> str | None:
