@@ -79,7 +79,7 @@ def create_app(
             gateway.tracer_provider.shutdown()
 
     app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan,
-                  **api_docs_urls(settings.api_keys))
+                  **api_docs_urls(settings.all_api_keys))
     app.state.settings = settings
     app.state.fleet = fleet
     app.state.replicas = replicas
@@ -87,6 +87,7 @@ def create_app(
     app.state.router = gateway.router
     app.state.admission = gateway.admission
     app.state.upstream = gateway.upstream
+    app.state.tenants = gateway.tenants
     app.state.registry = registry
     app.state.metrics = gateway.metrics
     app.state.tracer_provider = gateway.tracer_provider

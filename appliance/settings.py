@@ -24,6 +24,7 @@ from pydantic_settings import (
 )
 
 from appliance.collectors.settings import CollectorSettings
+from appliance.gateway.tenants.settings import TenantSettings, check_tenants
 from appliance.maintenance.settings import MaintenanceSettings
 from appliance.model.shape import ShapeError, max_model_len_from_config, read_config
 from appliance.monitoring.settings import MonitoringSettings
@@ -325,6 +326,11 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
     )
+    tenants: list[TenantSettings] = Field(
+        default_factory=list, description="Teams or services sharing the appliance, each with its own API keys, "
+        "quotas, priority and fair-share weight (docs/tenants.md); JSON in APPLIANCE_TENANTS. The flat api_keys "
+        "are one more tenant, named default."
+    )
     admin_token: str | None = Field(None, description="Bearer token for /admin; unset disables /admin.")
     admin_token_file: Path | None = Field(
         None, description="File holding admin_token (a compose secret, a Secret volume); not with admin_token."
@@ -413,6 +419,16 @@ class Settings(BaseSettings):
         for name, value in resolve_secrets({name: getattr(self, name) for name in SECRET_FIELDS}).items():
             setattr(self, name, value)
         return self
+
+    @model_validator(mode="after")
+    def _tenants_are_distinct(self) -> Settings:
+        check_tenants(self.tenants, self.api_keys)
+        return self
+
+    @property
+    def all_api_keys(self) -> list[str]:
+        """Every key accepted on /v1: the flat api_keys and every tenant's (empty: the API is open)."""
+        return [*self.api_keys, *(key for tenant in self.tenants for key in tenant.api_keys)]
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> Settings:

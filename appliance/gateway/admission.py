@@ -23,6 +23,8 @@ from appliance.engine.contract import Replica
 from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.slots import Lease, LeaseLedger, SlotAudit
+from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
+from appliance.gateway.tenants.directory import Tenant
 from appliance.http.errors import APIError
 
 
@@ -104,9 +106,10 @@ class Admission:
     def queue_length(self) -> int:
         return sum(1 for entry in self._waiters if not entry.future.done())
 
-    async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None
-                      ) -> Lease:
-        """A lease on the best replica with room, waiting in the queue for one if need be."""
+    async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None, *,
+                      tenant: Tenant = DEFAULT_TENANT) -> Lease:
+        """A lease on the best replica with room, waiting in the queue for one if need be. ``tenant``: whose
+        request it is (fair share between tenants)."""
         lease = self.try_lease(exclude, request)
         if lease is not None:
             return lease

@@ -22,6 +22,7 @@ from appliance.gateway.metrics import RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
 from appliance.gateway.routes import health, metrics, openai, runbooks
+from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tracing import build_tracer_provider
 from appliance.settings import Settings
 
@@ -34,6 +35,7 @@ class Gateway:
     poller: EngineLoadPoller
     metrics: RequestMetrics
     tracer_provider: TracerProvider
+    tenants: TenantDirectory
 
     async def open(self) -> None:
         await self.upstream.open()
@@ -65,7 +67,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                         tracing=_records_traces(settings, span_exporter))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
-    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider)
+    tenants = TenantDirectory(settings.tenants, settings.api_keys)
+    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants)
 
 
 def _records_traces(settings: Settings, exporter: SpanExporter | None) -> bool:

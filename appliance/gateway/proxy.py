@@ -47,6 +47,8 @@ from appliance.gateway.metrics import COUNTED, RequestMetrics
 from appliance.gateway.router import Outcome
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.slots import Lease
+from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
+from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tracing import RequestTrace
 from appliance.http.errors import APIError, error_body
 
@@ -120,6 +122,7 @@ class Exchange:
     migrations: int = 0  # continuations it was given
     ledger: migration.StreamLedger | None = None  # a migratable stream's record of what the client was sent
     refused: str | None = None  # why its stream could not be continued, if it could not
+    tenant: Tenant = DEFAULT_TENANT  # whose request (the API key's tenant; appliance.gateway.tenants)
 
     @property
     def replica(self) -> Replica:
@@ -190,7 +193,8 @@ class Upstream:
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
-                            request=request, routing=None if prompt is None else RoutingRequest(prompt))
+                            request=request, routing=None if prompt is None else RoutingRequest(prompt),
+                            tenant=getattr(request.state, "tenant", DEFAULT_TENANT))
         self._plan_migration(exchange)
         try:
             response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
@@ -275,7 +279,7 @@ class Upstream:
         span = exchange.trace.child("gateway.queue_wait")
         queued_at = time.monotonic()
         try:
-            lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing)
+            lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing, tenant=exchange.tenant)
             exchange.dispatched = time.monotonic()
         finally:
             self.metrics.queue_wait.observe(time.monotonic() - queued_at)

@@ -34,11 +34,12 @@ def _matches(token: str, accepted: list[str]) -> bool:
 
 
 def api_key_error(settings: Any, authorization: str | None) -> APIError | None:
-    """/v1: open without API keys; otherwise one of them."""
-    if not settings.api_keys:
+    """/v1: open without API keys; otherwise one of them (the flat api_keys or a tenant's)."""
+    keys = settings.all_api_keys
+    if not keys:
         return None
     token = _bearer(authorization)
-    if token is None or not _matches(token, settings.api_keys):
+    if token is None or not _matches(token, keys):
         return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
     return None
@@ -92,10 +93,10 @@ def api_key_or_admin_error(settings: Any, authorization: str | None) -> APIError
     metrics_token = getattr(settings, "metrics_token", None)
     if metrics_token:
         return _metrics_or_admin(settings, metrics_token, authorization)
-    if not settings.api_keys:
+    if not settings.all_api_keys:
         return None
     token = _bearer(authorization)
-    accepted = [*settings.api_keys, *([settings.admin_token] if settings.admin_token else [])]
+    accepted = [*settings.all_api_keys, *([settings.admin_token] if settings.admin_token else [])]
     if token is None or not _matches(token, accepted):
         return APIError(401, "invalid or missing API key or admin token (Authorization: Bearer <token>)",
                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -130,7 +131,15 @@ def _raise(error: APIError | None) -> None:
 
 
 async def require_api_key(request: Request) -> None:
-    _raise(api_key_error(request.app.state.settings, request.headers.get("authorization")))
+    """/v1's dependency: a valid key, and whose it is (``request.state.tenant``, for accounting, quotas and fair
+    share; ``appliance.gateway.tenants``)."""
+    authorization = request.headers.get("authorization")
+    _raise(api_key_error(request.app.state.settings, authorization))
+    tenant = request.app.state.tenants.identify(_bearer(authorization))
+    if tenant is None:  # accepted by the settings, unknown to the directory: a reload between the two reads
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    request.state.tenant = tenant
 
 
 async def require_admin(request: Request) -> None:

@@ -55,9 +55,9 @@ def sd_bearer_token(settings: Settings) -> str | None:
     /sd/targets is open."""
     if settings.metrics_token:
         return settings.metrics_token
-    if not settings.api_keys:
+    if not settings.all_api_keys:
         return None
-    return settings.admin_token or settings.api_keys[0]
+    return settings.admin_token or settings.all_api_keys[0]
 
 
 def alerts_bearer_token(settings: Settings) -> str | None:

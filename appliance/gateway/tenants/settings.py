@@ -1,0 +1,82 @@
+"""``tenants``: the teams and services that share one appliance, each with its own API keys, quotas and share.
+
+Set in YAML as a list, or as JSON in ``APPLIANCE_TENANTS``. The flat ``api_keys`` keep working: they are the keys
+of one tenant named ``default`` (so no configured tenant may take that name while flat keys are set).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from appliance.secret_files import read_keys_file
+
+DEFAULT_TENANT = "default"  # the flat api_keys' tenant, and everyone's while the API is open (no keys at all)
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"  # a Prometheus label value an SRE can type; bounded length
+
+
+class TenantSettings(BaseModel):
+    """One tenant: its keys, its quotas (none: unlimited), its priority and its weight in fair share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=NAME_PATTERN, description="The tenant's name, as metrics and logs show it "
+                      "(lower case letters, digits, _ . -; at most 63 characters).")
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys that identify this tenant on /v1.")
+    api_keys_file: Path | None = Field(
+        None, description="File holding this tenant's keys, one a line (blank lines and # comments ignored); not "
+        "with api_keys. Read again on `appliance reload`."
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt plus completion tokens per minute (a token bucket holding one minute's "
+        "worth); beyond it: 429 rate_limit_exceeded with Retry-After. Unset: unlimited."
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="Requests per minute (a bucket holding one minute's worth); unset: unlimited."
+    )
+    priority: int = Field(
+        0, ge=0, le=9, description="Queue order between tenants: a waiting request of a higher priority goes "
+        "first; fair share applies among tenants of one priority."
+    )
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="Share among tenants of one priority: a tenant of weight 2 is served twice "
+        "the tokens of a tenant of weight 1 while both wait."
+    )
+
+    @field_validator("api_keys_file", mode="before")
+    @classmethod
+    def _empty_file_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _keys(self) -> TenantSettings:
+        """Keys from the file (read whenever settings are built: start and reload); at least one key."""
+        if self.api_keys_file is not None:
+            if self.api_keys:
+                raise ValueError(f"tenant {self.name}: api_keys and api_keys_file are both set: set one")
+            self.api_keys = read_keys_file(self.api_keys_file, setting=f"tenants[{self.name}].api_keys_file")
+        self.api_keys = [key.strip() for key in self.api_keys if key.strip()]
+        if not self.api_keys:
+            raise ValueError(f"tenant {self.name}: no API key (set api_keys or api_keys_file)")
+        return self
+
+
+def check_tenants(tenants: list[TenantSettings], flat_keys: list[str]) -> None:
+    """Names unique, ``default`` left to the flat keys when they are set, and each key names one tenant only
+    (else a request's tenant would depend on the order of a list). Raises ValueError naming the conflict, never
+    the key."""
+    names = [tenant.name for tenant in tenants]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"tenants: names must be unique: {', '.join(duplicates)}")
+    if flat_keys and DEFAULT_TENANT in names:
+        raise ValueError(f"tenants: '{DEFAULT_TENANT}' is the tenant of the flat api_keys; name the tenant "
+                         "otherwise, or move the flat keys into it")
+    owners: dict[str, str] = {key: DEFAULT_TENANT for key in flat_keys}
+    for tenant in tenants:
+        for key in tenant.api_keys:
+            other = owners.setdefault(key, tenant.name)
+            if other != tenant.name:
+                raise ValueError(f"tenants: one API key belongs to both {other} and {tenant.name}")
