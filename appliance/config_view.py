@@ -38,6 +38,8 @@ def config_dump(settings: Settings, *, show_secrets: bool = False) -> dict[str, 
         else:
             data[pair.value] = REDACTED if value else None
     data["maintenance"]["grafana_token"] = REDACTED if settings.maintenance.grafana_token else None
+    for tenant in data["tenants"]:
+        tenant["api_keys"] = [REDACTED] * len(tenant["api_keys"])
     data["engine"]["extra_args"] = redact_argv(settings.engine.extra_args)
     return _walk(data)
 

@@ -9,12 +9,12 @@ import yaml
 from appliance.config_view import REDACTED, config_dump, redact_argv
 from appliance.settings import Settings
 
-SECRETS = ("s3cr3t", "hunter2", "tok-xyz", "hf_abc", "k1")
+SECRETS = ("s3cr3t", "hunter2", "tok-xyz", "hf_abc", "k1", "team-key-9")
 
 
 def settings() -> Settings:
     return Settings(
-        api_keys=["k1"], admin_token="tok-xyz",
+        api_keys=["k1"], admin_token="tok-xyz", tenants=[{"name": "team-a", "api_keys": ["team-key-9"]}],
         engine_urls=["http://user:hunter2@127.0.0.1:8100"],
         otlp_traces_endpoint="http://otel:s3cr3t@127.0.0.1:4318/v1/traces?access_token=s3cr3t&x=1",
         engine={"extra_args": ["--api-key", "s3cr3t", "--hf-token=hf_abc", "--enforce-eager"]},
@@ -30,6 +30,7 @@ def test_no_secret_is_printed_by_default():
     assert data["engine_urls"] == [f"http://user:{REDACTED}@127.0.0.1:8100"]
     assert data["otlp_traces_endpoint"].endswith(f"/v1/traces?access_token={REDACTED}&x=1")
     assert data["maintenance"]["grafana_url"] == f"http://admin:{REDACTED}@127.0.0.1:3000"
+    assert data["tenants"][0] == {**data["tenants"][0], "name": "team-a", "api_keys": [REDACTED]}
 
 
 def test_show_secrets_prints_them():
