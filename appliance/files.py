@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,3 +54,19 @@ def atomic_write_json(path: Path, data: Any) -> Path:
 
 def atomic_write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
     return atomic_write_text(path, "".join(json.dumps(_clean(row)) + "\n" for row in rows))
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Swap a finished folder into place: a reader sees the old folder or the new one, never half of one (model
+    checkpoints, snapshots). ``staging`` must be on ``target``'s filesystem (a sibling) so the rename is atomic; an
+    existing ``target`` is moved aside first and deleted only once the new one is in place."""
+    old = None
+    if target.exists():
+        if target.is_dir() and not any(target.iterdir()):
+            target.rmdir()
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / target.name)
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

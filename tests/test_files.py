@@ -47,3 +47,25 @@ def test_a_secret_is_owner_only_from_the_start_and_a_shared_file_gets_its_mode(t
     assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
     files.atomic_write_text(tmp_path / "rules.yaml", "groups: []\n", mode=0o644)
     assert stat.S_IMODE((tmp_path / "rules.yaml").stat().st_mode) == 0o644
+
+
+def test_replace_folder_swaps_whole_folders_and_leaves_no_debris(tmp_path):
+    """A reader of ``target`` sees the old folder or the new one; nothing of either is left beside it."""
+    target = tmp_path / "model"
+    for generation in ("old", "new"):
+        staging = tmp_path / f".model.tmp-{generation}"
+        staging.mkdir()
+        (staging / "weights").write_text(generation)
+        files.replace_folder(staging, target)
+        assert (target / "weights").read_text() == generation
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_replace_folder_takes_the_place_of_an_empty_folder(tmp_path):
+    target = tmp_path / "snapshot"
+    target.mkdir()
+    staging = tmp_path / ".snapshot.tmp"
+    staging.mkdir()
+    (staging / "index.html").write_text("x")
+    files.replace_folder(staging, target)
+    assert (target / "index.html").read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["snapshot"]

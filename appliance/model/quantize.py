@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from appliance.files import replace_folder
 from appliance.model import precision
-from appliance.model.demo import heldout_text, make_readable, move_into_place, temp_sibling
+from appliance.model.demo import heldout_text, make_readable, temp_sibling
 from appliance.model.precision import Scheme
 from appliance.model.quality import QualityError, evaluate_quality
 
@@ -110,7 +111,7 @@ def quantize_checkpoint(
             except QualityError as exc:
                 raise QuantizeError(str(exc)) from exc
         make_readable(tmp)
-        move_into_place(tmp, dst)
+        replace_folder(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -121,7 +121,10 @@ def test_heldout_split_is_disjoint_and_about_five_percent() -> None:
     assert demo.heldout_text() == demo.heldout_text()  # no dict-order dependence
 
 
-def test_build_is_deterministic_and_overwrite_replaces(tmp_path: Path) -> None:
+def test_build_is_deterministic_and_overwrite_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reproducible for one thread count (the float reductions' order); the count follows the host's load, which
+    # other work changed between two builds often enough to fail this test.
+    monkeypatch.setattr(demo, "available_cores", lambda: 1)
     out = tmp_path / "tiny"
     first = build_demo_model(out, max_steps=3, seed=7)
     weights = (out / "model.safetensors").read_bytes()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -13,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from appliance.files import replace_folder
 from appliance.monitoring.config import MonitoringConfigError
 from appliance.monitoring.dashboards import DASHBOARDS, DASHBOARDS_DIR
 from appliance.monitoring.snapshot.query import Prometheus, run_queries
@@ -55,17 +55,6 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         raise SnapshotError(f"{out} already exists and is not an empty folder (use --overwrite to replace it)")
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Swap the finished folder into place: ``out`` is never half-written."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "snapshot")
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 @dataclass(frozen=True)
 class SnapshotRequest:
     prometheus: str
@@ -97,7 +86,7 @@ def snapshot(request: SnapshotRequest, *, now: float | None = None) -> dict[str,
     staging = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.tmp-", dir=request.out.parent))
     try:
         document = write_snapshot(staging, board, results, span, request.prometheus, variables)
-        _publish(staging, request.out)
+        replace_folder(staging, request.out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
