@@ -126,6 +126,18 @@ class PrefixScorerSettings(BaseModel):
         1.25, ge=1.0, description="Bounded load: affinity yields when the replica would hold more than this "
         "multiple of the mean in-flight requests (rounded up)."
     )
+    chars_per_token: float = Field(
+        4.0, gt=0, le=64, description="Characters of prompt text per token of the served model's tokenizer: turns "
+        "each replica's KV capacity (num_gpu_blocks x block_size tokens) into the index's character blocks."
+    )
+    balance_window: int = Field(
+        128, ge=0, description="Balance bound over the last this many prefix-routed decisions (counted anew when "
+        "the set of routable replicas changes): a replica that would exceed balance_factor x its equal share is "
+        "left out. 0: off."
+    )
+    balance_factor: float = Field(
+        1.25, ge=1.0, description="The balance bound's multiple of the equal share (rounded up)."
+    )
 
 
 class RoutingScorerSettings(BaseModel):
@@ -219,6 +231,15 @@ class AdmissionSettings(BaseModel):
         30.0, gt=0, description="How long the gateway may count more requests in flight at a replica than its "
         "engine reports running + waiting before that is slot drift (metric appliance_slot_drift, alert "
         "ApplianceSlotDrift; a replica full only by a drifted count makes /health/ready 503)."
+    )
+    fair_share: bool = Field(
+        True, description="Order the queue by tenant priority, then fair share by weight (least served goes next), "
+        "and bound a tenant's in-flight share of a replica while others want it. Off: one FIFO queue."
+    )
+    share_window_seconds: float = Field(
+        2.0, ge=0, description="How long a tenant keeps its share of a replica after its requests there end: a "
+        "client between two requests finds its room still free instead of behind a flood (capacity held idle at "
+        "most this long after a tenant leaves). 0: a share lasts only while requests are held or queued."
     )
 
 

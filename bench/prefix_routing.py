@@ -1,6 +1,7 @@
 """Prefix-aware routing against today's routing and round robin, on 2 real vLLM engines; and the routing cost.
 
     flock /tmp/appliance-heavy.lock python bench/prefix_routing.py engines --model DIR [--conversations 120]
+        [--policies today prefix] [--churn-policies today prefix]
     python bench/prefix_routing.py micro [--conversations 10000]
 
 ``engines`` starts two vLLM engines (one core each, prefix caching on, the KV cache cut with
@@ -10,7 +11,16 @@ once), empties the engines' prefix caches (``/reset_prefix_cache``, dev mode) an
 conversations, each with its own long prefix (most of max_model_len) plus short new turns, interleaved, from a
 fixed number of concurrent clients. It prints the engines' prefix-cache hit rate (from
 vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), TTFT p50/p95, throughput and the load split,
-and their ratios to today's routing. Nothing is tuned to pass: the numbers are what the run measured.
+and their ratios to today's routing, per round (a round: every conversation's next turn; round 0 can hit nothing,
+each conversation's prefix is new). Nothing is tuned to pass: the numbers are what the run measured.
+
+The churn scenario (issue 25), for each of ``--churn-policies`` in the same run: a fresh gateway, caches emptied,
+two warm rounds, then engine 1 is stopped; once the gateway sees it unhealthy it is started again while round 3
+plays (so the round goes to engine 0 while engine 1 boots), and once it is ready again two more rounds play: their
+hit rate and request split (max over mean) are the churn numbers, next to the same policy's steady state.
+
+The gateway is told the demo tokenizer's characters per token (``routing.scorers.prefix.chars_per_token``,
+measured here with /tokenize on the workload's own text), as an operator configures it for their model.
 
 ``micro`` times the router's decision with 10k conversations indexed (no engines): prefix-aware vs load-only.
 """
@@ -46,8 +56,10 @@ from tests.doubles import FakeReplica
 POLICIES = {  # name -> the gateway's environment for it
     "today": {"APPLIANCE_ROUTING__SCORERS__WEIGHTS__PREFIX": "0"},
     "prefix": {},
+    "prefix_unbounded": {"APPLIANCE_ROUTING__SCORERS__PREFIX__BALANCE_WINDOW": "0"},  # without the balance bound
     "round_robin": {"APPLIANCE_ROUTING__SCORERS__POLICY": "round_robin"},
 }
+CHURN_ROUNDS = 5  # 2 warm, 1 while engine 1 restarts, 2 after it is back
 _WORD_TEXT = (
     "the of and to in is was that for on as with by at from his an were are which this be or has had not "
     "but one all their there been its more when who will would can them time into only some other than "
@@ -157,18 +169,20 @@ async def engine_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
     return out
 
 
-async def tokens_per_word(session: aiohttp.ClientSession, url: str) -> float:
+async def tokens_per_word(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """Tokens per word and characters per token of the workload's text, by the engine's own tokenizer."""
     sample = text(random.Random(9), 400)
     async with session.post(f"{url}/tokenize", json={"model": "demo", "prompt": sample}) as resp:
-        return len((await resp.json())["tokens"]) / 400
+        tokens = len((await resp.json())["tokens"])
+    return tokens / 400, len(sample) / tokens
 
 
-async def play(gateway: str, convs: list[Conversation], turns: int, clients: int, max_tokens: int
-               ) -> tuple[list[RequestResult], float]:
+async def play(gateway: str, convs: list[Conversation], turns: int, clients: int, max_tokens: int,
+               first_turn: int = 0) -> tuple[list[RequestResult], float]:
     """Every conversation's turn t before any conversation's turn t+1, shuffled within each round."""
-    rng = random.Random(2)
+    rng = random.Random(2 + first_turn)
     order = []
-    for turn in range(turns):
+    for turn in range(first_turn, first_turn + turns):
         round_ = list(range(len(convs)))
         rng.shuffle(round_)
         order += [(c, turn) for c in round_]
@@ -190,53 +204,155 @@ async def play(gateway: str, convs: list[Conversation], turns: int, clients: int
         return results, time.perf_counter() - started
 
 
+def routing_counts(page: str) -> dict[str, float]:
+    """The gateway's routing decisions by ``decided_by`` and its prefix yields, from its /metrics text."""
+    out: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("appliance_routing_decisions_total{"):
+            labels = line.split("{", 1)[1].split("}", 1)[0]
+            decider = next(p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("decided_by="))
+            out[decider] = out.get(decider, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("appliance_routing_prefix_yields_total "):
+            out["prefix_yields"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def gateway_routing(session: aiohttp.ClientSession, gateway: str) -> dict[str, float]:
+    async with session.get(f"{gateway}/metrics") as resp:
+        return routing_counts(await resp.text())
+
+
+async def measure_rounds(session: aiohttp.ClientSession, gateway: str, urls: list[str], convs: list[Conversation],
+                         first_turn: int, turns: int, args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """One round at a time with the engines' counters read around each: each round's numbers (and how the
+    gateway decided them), and all of them."""
+    rounds: list[dict] = []
+    everything: list[RequestResult] = []
+    walls = 0.0
+    first = before = [await engine_counters(session, url) for url in urls]
+    decided = await gateway_routing(session, gateway)
+    for turn in range(first_turn, first_turn + turns):
+        results, wall = await play(gateway, convs, 1, args.clients, args.max_tokens, first_turn=turn)
+        after = [await engine_counters(session, url) for url in urls]
+        now = await gateway_routing(session, gateway)
+        decisions = {k: v - decided.get(k, 0.0) for k, v in now.items() if v - decided.get(k, 0.0)}
+        rounds.append({"round": turn, **summarize(results, wall, before, after), "decided_by": decisions})
+        everything += results
+        walls += wall
+        before, decided = after, now
+    return rounds, summarize(everything, walls, first, before)
+
+
+async def replica_state(session: aiohttp.ClientSession, gateway: str, replica: str, state: str, timeout: float
+                        ) -> float:
+    """Wait until the gateway's appliance_replica_state says ``replica`` is in ``state``; the seconds it took."""
+    started = time.monotonic()
+    wanted = f'appliance_replica_state{{replica="{replica}",state="{state}"}} 1.0'
+    while time.monotonic() - started < timeout:
+        async with session.get(f"{gateway}/metrics") as resp:
+            if wanted in await resp.text():
+                return time.monotonic() - started
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{replica} never became {state}")
+
+
 async def run_engines(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    report: dict = {"policies": {}}
+    report: dict = {"policies": {}, "churn": {}}
     with processes() as procs:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             # Size the prefixes from the model's own tokenizer, on a first engine started with the final blocks.
-            for i, port in enumerate(ports):
-                procs.append(start_engine(Path(args.model), port, i, args.blocks, args.max_model_len,
-                                          work / f"engine-{i}.log"))
-            for proc, url in zip(procs, urls, strict=True):
+            engines = [start_engine(Path(args.model), port, i, args.blocks, args.max_model_len,
+                                    work / f"engine-{i}.log") for i, port in enumerate(ports)]
+            procs += engines
+            for proc, url in zip(engines, urls, strict=True):
                 await wait_until(session, f"{url}/health", 300, proc)
-            per_word = await tokens_per_word(session, urls[0])
+            per_word, chars_per_token = await tokens_per_word(session, urls[0])
             prefix_words = int(args.prefix_tokens / per_word)
-            convs = conversations(args.conversations, prefix_words, args.turns)
+            turns = max(args.turns, CHURN_ROUNDS if args.churn_policies else 0)
+            convs = conversations(args.conversations, prefix_words, turns)
             info = await engine_counters(session, urls[0])
             block_size = info.get("cache_config.block_size", 0)
+            tokenizer_env = {"APPLIANCE_ROUTING__SCORERS__PREFIX__CHARS_PER_TOKEN": f"{chars_per_token:.3f}"}
             report["setup"] = {
                 "engines": 2, "cores_per_engine": 1, "conversations": args.conversations, "turns": args.turns,
                 "clients": args.clients, "max_tokens": args.max_tokens, "tokens_per_word": round(per_word, 3),
+                "chars_per_token": round(chars_per_token, 3),
                 "prefix_tokens_target": args.prefix_tokens, "max_model_len": args.max_model_len,
                 "kv_blocks_per_engine": info.get("cache_config.num_gpu_blocks"), "block_size": block_size,
                 "kv_tokens_per_engine": (info.get("cache_config.num_gpu_blocks") or 0) * block_size,
                 "all_prefixes_tokens": int(args.conversations * args.prefix_tokens),
             }
             print(json.dumps(report["setup"]), flush=True)
-            for name in args.policies:
+
+            async def gateway_for(name: str, label: str) -> tuple[subprocess.Popen, str]:
                 port = free_port()
-                gateway = start_gateway(urls, port, POLICIES[name], work / f"state-{name}",
-                                        work / f"gateway-{name}.log")
-                procs.append(gateway)
-                await wait_until(session, f"http://127.0.0.1:{port}/health/ready", 60, gateway)
+                proc = start_gateway(urls, port, {**tokenizer_env, **POLICIES[name]}, work / f"state-{label}",
+                                     work / f"gateway-{label}.log")
+                procs.append(proc)
+                await wait_until(session, f"http://127.0.0.1:{port}/health/ready", 60, proc)
                 for url in urls:
                     async with session.post(f"{url}/reset_prefix_cache") as resp:
                         assert resp.status == 200, f"reset_prefix_cache: HTTP {resp.status}"
-                before = [await engine_counters(session, url) for url in urls]
-                results, wall = await play(f"http://127.0.0.1:{port}", convs, args.turns, args.clients,
-                                           args.max_tokens)
-                after = [await engine_counters(session, url) for url in urls]
-                gateway.send_signal(signal.SIGTERM)
-                gateway.wait(60)
-                report["policies"][name] = summarize(results, wall, before, after)
+                return proc, f"http://127.0.0.1:{port}"
+
+            async def stop(proc: subprocess.Popen) -> None:
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(proc.wait, 60)
+
+            for name in args.policies:
+                gateway, url = await gateway_for(name, name)
+                rounds, overall = await measure_rounds(session, url, urls, convs, 0, args.turns, args)
+                await stop(gateway)
+                report["policies"][name] = {**overall, "rounds": rounds}
                 print(name, json.dumps(report["policies"][name]), flush=True)
+
+            for name in args.churn_policies:
+                gateway, url = await gateway_for(name, f"churn-{name}")
+                warm, _ = await measure_rounds(session, url, urls, convs, 0, 2, args)
+                await stop(engines[1])
+                down_s = await replica_state(session, url, "external-1", "unhealthy", 60)
+                engines[1] = start_engine(Path(args.model), ports[1], 1, args.blocks, args.max_model_len,
+                                          work / f"engine-1-{name}.log")
+                procs.append(engines[1])
+                away, away_wall = await play(url, convs, 1, args.clients, args.max_tokens, first_turn=2)
+                await wait_until(session, f"{urls[1]}/health", 300, engines[1])
+                back_s = await replica_state(session, url, "external-1", "ready", 60)
+                after, overall = await measure_rounds(session, url, urls, convs, 3, 2, args)
+                await stop(gateway)
+                report["churn"][name] = {
+                    "after": overall, "rounds_after": after, "warm_rounds": warm,
+                    "while_away": {"requests": len(away), "failed": sum(not r.ok for r in away),
+                                   "wall_s": round(away_wall, 2)},
+                    "seen_down_after_s": round(down_s, 1), "seen_ready_after_s": round(back_s, 1),
+                }
+                print("churn", name, json.dumps(report["churn"][name]), flush=True)
     report["ratios_vs_today"] = ratios(report["policies"])
+    report["churn_ratios_vs_today"] = ratios({k: v["after"] for k, v in report["churn"].items()})
+    report["goals"] = goals(report)
     return report
+
+
+def goals(report: dict) -> dict:
+    """Issue 25's goals next to what was measured (not assertions: a benchmark reports)."""
+    out: dict = {}
+    steady = report["policies"].get("prefix")
+    if steady:
+        later = [r["hit_rate"] for r in steady["rounds"][1:]]  # round 0 can hit nothing
+        out["steady_hit_rate_per_round_ge_0.75"] = {"rounds": later, "met": all((h or 0) >= 0.75 for h in later)}
+        ttft = report["ratios_vs_today"].get("prefix", {}).get("ttft_p50_s")
+        out["steady_ttft_p50_le_0.7x_today"] = {"ratio": ttft, "met": ttft is not None and ttft <= 0.7}
+    churn = report["churn"].get("prefix")
+    if churn:
+        after = churn["after"]
+        out["churn_hit_rate_ge_0.7"] = {"hit_rate": after["hit_rate"], "met": (after["hit_rate"] or 0) >= 0.7}
+        worst = max((r["max_over_mean"] or 0) for r in churn["rounds_after"])
+        out["churn_max_over_mean_le_1.3"] = {"overall": after["max_over_mean"], "worst_round": worst,
+                                             "met": worst <= 1.3}
+    return out
 
 
 def delta(before: dict, after: dict, key: str) -> float:
@@ -332,7 +448,9 @@ def main() -> None:
                      help="vLLM's KV block size (the CPU backend's default is 128); only sizes --blocks' default")
     eng.add_argument("--clients", type=int, default=8)
     eng.add_argument("--max-tokens", type=int, default=8)
-    eng.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    eng.add_argument("--policies", nargs="*", default=["today", "prefix", "round_robin"], choices=list(POLICIES))
+    eng.add_argument("--churn-policies", nargs="*", default=["today", "prefix"], choices=list(POLICIES),
+                     help="the churn scenario (engine 1 restarted between rounds) for each of these")
     mic = sub.add_parser("micro")
     mic.add_argument("--conversations", type=int, default=10_000)
     mic.add_argument("--replicas", type=int, default=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class EngineLoad:
     prompt_tokens_total: float | None = None  # counters: rates are taken by whoever needs them
     generation_tokens_total: float | None = None
     read_at: float = -math.inf  # monotonic
+    kv_capacity_tokens: float | None = None  # num_gpu_blocks x block_size (vllm:cache_config_info's labels)
 
 
 WANTED = {
@@ -46,16 +48,43 @@ WANTED = {
 }
 
 
-def sum_vllm_series(page: bytes, wanted: Mapping[bytes, str]) -> dict[str, float]:
+_NUM_GPU_BLOCKS = re.compile(rb'[{,]num_gpu_blocks="(\d+)"')
+_BLOCK_SIZE = re.compile(rb'[{,]block_size="(\d+)"')
+
+
+def kv_capacity_tokens(line: bytes) -> float | None:
+    """Tokens an engine's KV cache holds, from its ``vllm:cache_config_info`` line: num_gpu_blocks x block_size
+    (label values; None until the engine has sized its cache). With data parallelism vLLM already sums
+    num_gpu_blocks over its engines and repeats the same labels per engine, so callers take the max, not the sum."""
+    blocks, size = _NUM_GPU_BLOCKS.search(line), _BLOCK_SIZE.search(line)
+    if blocks is None or size is None:
+        return None
+    return float(int(blocks.group(1)) * int(size.group(1)))
+
+
+# Series read from a label (an info gauge is always 1): sample name -> (field, line -> value or None); max over
+# label sets.
+LabelReader = Callable[[bytes], "float | None"]
+
+
+def sum_vllm_series(page: bytes, wanted: Mapping[bytes, str],
+                    from_labels: Mapping[bytes, tuple[str, LabelReader]] | None = None) -> dict[str, float]:
     """The ``wanted`` vLLM series (sample name -> field), each summed over its label sets (one engine may report
-    several model/engine/finished_reason labels); unparsable lines are skipped. A line scan, not a full text-format
+    several model/engine/finished_reason labels); unparsable lines are skipped. ``from_labels`` series take their
+    value from the line's labels instead (the largest over label sets). A line scan, not a full text-format
     parse: this runs on every poll of every engine."""
     values: dict[str, float] = {}
     for line in page.split(b"\n"):
         if not line.startswith(b"vllm:"):
             continue
-        field = wanted.get(line.split(b"{", 1)[0].split(b" ", 1)[0])
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        field = wanted.get(name)
         if field is None:
+            if from_labels is not None and name in from_labels:
+                field, read = from_labels[name]
+                value = read(line)
+                if value is not None:
+                    values[field] = max(values.get(field, value), value)
             continue
         try:
             values[field] = values.get(field, 0.0) + float(line.rsplit(b" ", 1)[1])
@@ -64,9 +93,14 @@ def sum_vllm_series(page: bytes, wanted: Mapping[bytes, str]) -> dict[str, float
     return values
 
 
+FROM_LABELS: dict[bytes, tuple[str, LabelReader]] = {
+    b"vllm:cache_config_info": ("kv_capacity_tokens", kv_capacity_tokens),
+}
+
+
 def parse_engine_load(page: bytes, read_at: float) -> EngineLoad:
-    """Sum the wanted gauges over their label sets."""
-    return EngineLoad(read_at=read_at, **sum_vllm_series(page, WANTED))
+    """Sum the wanted gauges over their label sets; the KV capacity from the cache config's labels."""
+    return EngineLoad(read_at=read_at, **sum_vllm_series(page, WANTED, FROM_LABELS))
 
 
 Reading = Callable[[str, "EngineLoad | None"], None]

@@ -163,6 +163,9 @@ class Router:
 
     def update_load(self, name: str, load: EngineLoad) -> None:
         self.load[name] = load
+        prefix = self.policy.prefix
+        if prefix is not None and load.kv_capacity_tokens is not None:  # the index models the engine's cache size
+            prefix.set_capacity(name, load.kv_capacity_tokens)
 
     def observe_reading(self, name: str, load: EngineLoad | None) -> None:
         """One poll of a replica's /metrics (None: it did not answer); for an ejected replica it is the probe."""

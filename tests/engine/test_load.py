@@ -45,3 +45,25 @@ def test_the_default_reading_is_infinitely_old() -> None:
     from appliance.engine.load import EngineLoad
 
     assert EngineLoad().read_at == -math.inf
+
+
+CACHE_INFO = (b'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",'
+              b'engine="%s",num_gpu_blocks="%s",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256"}'
+              b' 1.0\n')
+
+
+def test_kv_capacity_is_blocks_times_block_size_from_the_cache_config_labels() -> None:
+    load = parse_engine_load(PAGE + CACHE_INFO % (b"0", b"300"), read_at=1.0)
+    assert load.kv_capacity_tokens == 300 * 128
+    assert load.kv_cache_usage == 0.25  # the same one scan still reads the gauges
+
+
+def test_kv_capacity_is_not_summed_over_data_parallel_engines() -> None:
+    """vLLM already sums num_gpu_blocks over data-parallel engines and repeats the labels per engine."""
+    page = CACHE_INFO % (b"0", b"600") + CACHE_INFO % (b"1", b"600")
+    assert parse_engine_load(page, read_at=1.0).kv_capacity_tokens == 600 * 128
+
+
+def test_kv_capacity_is_unknown_before_the_engine_sized_its_cache() -> None:
+    assert parse_engine_load(PAGE, read_at=1.0).kv_capacity_tokens is None
+    assert parse_engine_load(CACHE_INFO % (b"0", b"None"), read_at=1.0).kv_capacity_tokens is None

@@ -6,6 +6,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
+from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
 from appliance.gateway.router import Outcome, Router
@@ -60,7 +61,7 @@ def test_default_weights_choose_as_the_old_fixed_policy_when_prompts_share_nothi
 
 
 def test_affinity_beats_a_small_load_difference_and_yields_beyond_the_bound():
-    router, (r0, r1), _ = fleet()
+    router, (r0, r1), _ = fleet(scorers={"prefix": {"balance_window": 0}})  # the in-flight bound alone
     first = conversation(1, turns=2)
     assert router.try_acquire(request=first) is r0
     assert first.decision.decided_by == "index"
@@ -73,6 +74,41 @@ def test_affinity_beats_a_small_load_difference_and_yields_beyond_the_bound():
     again = conversation(1, turns=4)
     assert router.try_acquire(request=again) is r1
     assert again.decision.decided_by == "outstanding"
+
+
+def test_the_balance_bound_leaves_out_a_replica_over_its_share_of_recent_decisions():
+    """Sequential requests (never more than one in flight, so the in-flight bound is loose): affinity keeps the
+    conversation home until its replica would exceed ceil(1.25 x equal share) of the window, then it is left
+    out and the decision says so."""
+    router, (r0, r1), _ = fleet()
+    chosen = []
+    for turn in range(2, 6):
+        request = conversation(7, turns=turn)
+        replica = router.try_acquire(request=request)
+        router.release(replica, Outcome.SUCCESS)
+        chosen.append((replica.name, request.decision.decided_by))
+    assert chosen[:2] == [("replica-0", "index"), ("replica-0", "prefix")]
+    assert chosen[2] == ("replica-1", "balance")  # 3 of 3 would exceed ceil(1.25 x 3 / 2) = 2
+    assert router.policy.balance.held_back == 1
+    request = RoutingRequest("short")  # below one block: not prefix-routed, not bounded, not counted
+    assert router.try_acquire(request=request) is r0 and request.decision.decided_by != "balance"
+
+
+def test_the_balance_window_restarts_when_a_replica_rejoins():
+    router, (r0, r1), _ = fleet()
+    r1.routable, r1.status.state = False, ReplicaState.STARTING
+    for number in range(10):
+        replica = router.try_acquire(request=conversation(100 + number, turns=2))
+        router.release(replica, Outcome.SUCCESS)
+    assert router.policy.balance.taken("replica-0") == 10
+    r1.routable, r1.status.state = True, ReplicaState.READY
+    picked = []
+    for number in range(10):  # conversations r0 holds: affinity would keep them all there
+        replica = router.try_acquire(request=conversation(100 + number, turns=3))
+        router.release(replica, Outcome.SUCCESS)
+        picked.append(replica.name)
+    assert 3 <= picked.count("replica-1") <= 5  # its share from the first request on: within ceil(1.25 x 10 / 2)
+    assert max(picked.count(n) for n in ("replica-0", "replica-1")) <= 7
 
 
 def test_weights_decide_what_counts():

@@ -109,3 +109,30 @@ def test_prefix_forgets_a_replica_that_restarts_or_loses_its_engine():
     scorer.observe(replicas)
     assert scorer.scores(replicas, router, conversation) == [0.0, 0.0]
     assert scorer.forgotten == 2
+
+
+def test_prefix_capacity_is_the_engines_kv_tokens_in_character_blocks():
+    """40 tokens x 4 characters per token / 16 characters per block = 10 blocks: the index holds no more for that
+    replica, so a prompt longer than the engine's cache matches only the head the engine can still hold."""
+    router, replicas, clock = fleet(n=2, scorers={"prefix": {"block_chars": 16, "chars_per_token": 4}})
+    scorer = router.policy.prefix
+    router.update_load("replica-0", EngineLoad(kv_capacity_tokens=40, read_at=clock.now))
+    router.update_load("replica-1", EngineLoad(kv_cache_usage=0.1, read_at=clock.now))  # capacity not reported
+    assert scorer.index.capacity_of("replica-0") == 10 and scorer.index.capacity_of("replica-1") is None
+    long = prompt(3, turns=4)  # 4 turns x 4 x 28 = 448 characters: 28 blocks
+    scorer.chosen(replicas[0], long)
+    scorer.chosen(replicas[1], long)
+    assert scorer.index.held("replica-0") == 10 and scorer.index.held("replica-1") == 28
+    assert scorer.scores(replicas, router, long) == [10 * 16 / len(long.prompt), 28 * 16 / len(long.prompt)]
+
+
+def test_prefix_capacity_is_read_again_after_a_restart():
+    router, replicas, clock = fleet(n=1, scorers={"prefix": {"block_chars": 16, "chars_per_token": 4}})
+    scorer = router.policy.prefix
+    router.update_load("replica-0", EngineLoad(kv_capacity_tokens=40, read_at=clock.now))
+    scorer.observe(replicas)
+    replicas[0].status.starts += 1
+    scorer.observe(replicas)
+    assert scorer.index.capacity_of("replica-0") is None  # the new engine may be sized differently
+    router.update_load("replica-0", EngineLoad(kv_capacity_tokens=80, read_at=clock.now))
+    assert scorer.index.capacity_of("replica-0") == 20

@@ -5,6 +5,12 @@ are ordered by the tie-breaker scorers in turn, then by the replica's position. 
 (outstanding 1, prefix 1, KV and queue 0 as tie-breakers) and prompts that share nothing, that is exactly the
 older fixed policy: fewest outstanding requests, then lower KV-cache usage, then shorter queue, then lower index.
 
+With the prefix scorer on, requests whose prompt is at least one block long first pass ``BalanceBound`` (each
+replica within its share of the recent prefix-routed decisions): affinity then decides among replicas that are
+not already over their share, at any concurrency; and where everything else ties, the replica that took fewer of
+those recent decisions wins before the lower index does (a prompt no replica holds starts its new home on the
+least used replica: without it, ties at low concurrency always went to the first replica).
+
 ``RoundRobinPolicy`` rotates through the candidates: the baseline the prefix-routing benchmark compares against.
 """
 
@@ -14,6 +20,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica
+from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorer
 from appliance.gateway.routing.view import RoutingView
@@ -21,7 +28,7 @@ from appliance.settings import RoutingScorerSettings
 
 # Every value the "decided_by" metric label can take: bounded by construction.
 DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "tie_kv_cache", "tie_queue", "tie_outstanding",
-            "tie_prefix", "index", "single", "round_robin")
+            "tie_prefix", "index", "single", "round_robin", "balance", "tie_balance")
 _TOTAL_DIGITS = 9  # totals equal to this many decimals are ties (float sums of the same scores)
 
 
@@ -55,29 +62,52 @@ class RoundRobinPolicy:
 class WeightedPolicy:
     name = "weighted"
 
-    def __init__(self, weighted: Sequence[tuple[Scorer, float]], tie_breakers: Sequence[Scorer]) -> None:
+    def __init__(self, weighted: Sequence[tuple[Scorer, float]], tie_breakers: Sequence[Scorer],
+                 balance: BalanceBound | None = None) -> None:
         self.weighted = [(s, w) for s, w in weighted if w > 0]
         self.tie_breakers = list(tie_breakers)
         self._all = {s.name: s for s, _ in self.weighted} | {s.name: s for s in self.tie_breakers}
         self.prefix = next((s for s in self._all.values() if isinstance(s, PrefixScorer)), None)
+        self.balance = balance if self.prefix is not None else None  # it bounds what affinity does
 
     def observe(self, replicas: Sequence[Replica]) -> None:
         for scorer in self._all.values():
             scorer.observe(replicas)
+        if self.balance is not None:
+            self.balance.observe(replicas)
+
+    def _balanced(self, request: RoutingRequest | None) -> bool:
+        """Bounded: requests the prefix scorer can match (a prompt of at least one block); others route as before."""
+        return (self.balance is not None and self.prefix is not None and request is not None
+                and bool(request.prompt) and bool(request.hashes(self.prefix.block_chars)))
 
     def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
                ) -> Decision:
+        balanced = self._balanced(request)
+        held_back = False
+        if balanced:
+            assert self.balance is not None
+            kept = self.balance.within(candidates)
+            held_back = len(kept) < len(candidates)
+            candidates = kept
         scores = {name: _neutral(s.scores(candidates, view, request)) for name, s in self._all.items()}
         totals = [sum(w * scores[s.name][i] for s, w in self.weighted) for i in range(len(candidates))]
-        keys = [(round(totals[i], _TOTAL_DIGITS), *(scores[t.name][i] for t in self.tie_breakers), -i)
+        fewer = [-self.balance.taken(r.name) if balanced and self.balance else 0 for r in candidates]
+        keys = [(round(totals[i], _TOTAL_DIGITS), *(scores[t.name][i] for t in self.tie_breakers), fewer[i], -i)
                 for i in range(len(candidates))]
         order = sorted(range(len(candidates)), key=keys.__getitem__, reverse=True)
         best = order[0]
         replica = candidates[best]
-        decided = "single" if len(order) == 1 else self._decider(keys, scores, best, order[1])
+        if len(order) == 1:
+            decided = "balance" if held_back else "single"
+        else:
+            decided = self._decider(keys, scores, best, order[1])
         prefix = scores["prefix"][best] if "prefix" in scores else None
         for scorer in self._all.values():
             scorer.chosen(replica, request)
+        if balanced:
+            assert self.balance is not None
+            self.balance.chosen(replica.name)
         return Decision(replica.name, totals[best], decided, prefix)
 
     def _decider(self, keys: list[tuple], scores: dict[str, list[float]], best: int, runner_up: int) -> str:
@@ -90,6 +120,8 @@ class WeightedPolicy:
         for position, scorer in enumerate(self.tie_breakers, start=1):
             if keys[best][position] != keys[runner_up][position]:
                 return f"tie_{scorer.name}"
+        if keys[best][-2] != keys[runner_up][-2]:
+            return "tie_balance"
         return "index"
 
 
@@ -103,4 +135,5 @@ def build_policy(settings: RoutingScorerSettings) -> Policy:
     scorers = {name: build_scorer(name, settings.prefix) for name in type(settings.weights).model_fields}
     weights = settings.weights.model_dump()
     return WeightedPolicy([(scorers[name], weights[name]) for name in scorers],
-                          [scorers[name] for name in settings.tie_breakers])
+                          [scorers[name] for name in settings.tie_breakers],
+                          BalanceBound(settings.prefix.balance_window, settings.prefix.balance_factor))

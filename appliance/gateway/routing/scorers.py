@@ -98,13 +98,19 @@ class PrefixScorer:
 
     Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a replica that would then hold more
     than ceil(load_factor * mean) in-flight requests scores 0, so affinity never piles a hot conversation onto
-    one replica while another idles."""
+    one replica while another idles. (At low concurrency that bound is loose; the pipeline's ``BalanceBound``
+    bounds each replica's share of recent decisions too.)
+
+    Capacity: each replica's index holds no more blocks than its engine's KV cache (``set_capacity``, from the
+    engine's num_gpu_blocks x block_size tokens, converted with ``chars_per_token``), so a prefix the engine must
+    have evicted no longer attracts its conversation back there."""
 
     name = "prefix"
 
     def __init__(self, settings: PrefixScorerSettings) -> None:
         self.block_chars = settings.block_chars
         self.load_factor = settings.load_factor
+        self.chars_per_token = settings.chars_per_token
         self.index = PrefixIndex(settings.index_bytes)
         self.yields = 0  # decisions where a matching replica was passed over for its load
         self.forgotten = 0  # replica restarts that dropped its entries
@@ -123,6 +129,13 @@ class PrefixScorer:
                 self._lives.pop(replica.name, None)
             else:
                 self._lives[replica.name] = life
+
+    def set_capacity(self, replica: str, kv_tokens: float | None) -> None:
+        """The replica's engine caches ``kv_tokens`` tokens (None: unknown): its index holds at most that many
+        tokens' worth of character blocks."""
+        blocks = None if kv_tokens is None else int(kv_tokens * self.chars_per_token / self.block_chars)
+        if blocks != self.index.capacity_of(replica):
+            self.index.set_capacity(replica, blocks)
 
     def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
                ) -> list[Score]:
