@@ -61,7 +61,6 @@ class HostCollector(SafeCollector):
         self._clock = clock
         self._psi_path = psi_path
         self._host_busy = RateWindow(min_window)
-        self._host_total = RateWindow(min_window)
         self._gateway = RateWindow(min_window)
         self._roles = KeyedRates(min_window)
         self._self = psutil.Process()
@@ -94,16 +93,17 @@ class HostCollector(SafeCollector):
 
     def _host_cpu(self, now: float) -> list[Metric]:
         cores = psutil.cpu_count() or 1
+        # Busy time from the fields that only grow. Not "total - idle - iowait": Linux's iowait (and with it the
+        # total) can go backwards, which a rate window reads as a restart and answers with no value (seen here
+        # in 2 of 3 test runs while other work wrote files).
         times = psutil.cpu_times()
-        idle = times.idle + getattr(times, "iowait", 0.0)
-        total = sum(times)
-        busy_rate = self._host_busy.update(now, total - idle)
-        total_rate = self._host_total.update(now, total)
+        busy = sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq", "steal"))
+        busy_rate = self._host_busy.update(now, busy)
         utilisation = GaugeMetricFamily(
             "appliance_host_cpu_utilization_ratio", "Fraction (0..1) of all host CPU time that was busy (not idle "
             "or iowait) between scrapes at least rate_min_window_seconds apart.")
-        if busy_rate is not None and total_rate:
-            utilisation.add_metric([], ratio(busy_rate, total_rate) or 0.0)
+        if busy_rate is not None:
+            utilisation.add_metric([], min(1.0, max(0.0, busy_rate / cores)))
         load = GaugeMetricFamily("appliance_host_load_per_core", "Load average (runnable + uninterruptible tasks) "
                                  "per logical core over 1, 5 and 15 minutes; above 1 means tasks queue for CPU.",
                                  labels=["window"])
