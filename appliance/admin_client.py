@@ -115,9 +115,29 @@ def format_status(status: dict) -> str:
         lines.append("* ejected from routing: " + "; ".join(
             f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
     lines += format_replica_errors(status["replicas"])
+    lines += format_tenants(status.get("tenants") or [])
     if status.get("maintenance"):
         lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
+
+
+TOP_TENANTS = 10
+
+
+def format_tenants(tenants: list[dict], top: int = TOP_TENANTS) -> list[str]:
+    """The heaviest tenants (the gateway sends them heaviest first): totals since start and what each holds now.
+    Nothing when the only tenant is the default one (no tenants configured): the fleet line says it all."""
+    if not tenants or [t["tenant"] for t in tenants] == ["default"]:
+        return []
+    lines = [f"{'tenant':<20} {'in-flight':>9} {'queued':>6} {'requests':>9} {'prompt_tok':>11} "
+             f"{'compl_tok':>11} {'cached':>9} {'429s':>6}"]
+    for t in tenants[:top]:
+        lines.append(f"{t['tenant']:<20} {t['in_flight']:>9} {t['queued']:>6} {t['requests']:>9} "
+                     f"{t['prompt_tokens']:>11} {t['completion_tokens']:>11} {t['cached_prompt_tokens']:>9} "
+                     f"{t['rate_limited']:>6}")
+    if len(tenants) > top:
+        lines.append(f"... and {len(tenants) - top} more (GET /admin/status for all)")
+    return lines
 
 
 def format_replica_errors(replicas: list[dict]) -> list[str]:

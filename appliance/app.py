@@ -28,7 +28,7 @@ from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
-from appliance.maintenance.reload import InvalidConfig
+from appliance.maintenance.reload import HOT_KEYS, InvalidConfig
 from appliance.maintenance.service import DataPathView, build_maintenance
 from appliance.maintenance.traffic import counter_total
 from appliance.settings import Settings
@@ -81,6 +81,14 @@ def create_app(
     app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan,
                   **api_docs_urls(settings.all_api_keys))
     app.state.settings = settings
+
+    def apply_tenants(new: Settings) -> None:
+        """``appliance reload`` of tenants and keys: the gateway's directory, quotas and accounting, and the
+        settings the key check reads (``all_api_keys``), at once."""
+        gateway.update_tenants(new.tenants, new.api_keys)
+        app.state.settings = app.state.settings.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
+
+    maintenance.reloader.hot = apply_tenants
     app.state.fleet = fleet
     app.state.replicas = replicas
     app.state.gateway = gateway
@@ -95,7 +103,7 @@ def create_app(
     app.state.fleet_status = status.FleetStatus(settings, gateway, maintenance)
     app.state.draining = False
     app.state.started_at = time.time()
-    install_error_handlers(app, on_error=gateway.metrics.count_unproxied,
+    install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
     app.state.body_budget = BodyBudget(settings.intake.body_budget_bytes)
     app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes,

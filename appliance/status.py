@@ -37,8 +37,16 @@ class FleetStatus:
             "queue_length": self.gateway.admission.queue_length,
             "in_flight": router.in_flight(),
             "replicas": [self.replica(r) for r in replicas],
+            "tenants": self.tenants(),
             "maintenance": self.maintenance.status(),
         }
+
+    def tenants(self) -> list[dict[str, Any]]:
+        """Every tenant, the heaviest first (prompt + completion tokens since start), with what it holds now:
+        who is using the engines, and who waits."""
+        admission = self.gateway.admission
+        return [{**row, "in_flight": admission.tenant_in_flight(row["tenant"]),
+                 "queued": admission.tenant_queued(row["tenant"])} for row in self.gateway.accounting.summary()]
 
     def replica(self, replica: Replica) -> dict[str, Any]:
         router = self.gateway.router

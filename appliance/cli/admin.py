@@ -30,8 +30,9 @@ def register(sub: Any) -> None:
     p = add_command(sub, "reload", "re-read the configuration given at start; roll replicas onto new engine settings",
                     cmd_reload, description="Re-reads the configuration file and environment the appliance was "
                     "started with, validates them, and restarts the replicas one at a time onto the new engine.* "
-                    "settings. Changes that cannot roll (ports, host, replica count, model, gateway settings) are "
-                    "refused with the keys listed; nothing changes then.")
+                    "settings; tenants and API keys apply at once, without a restart (quota levels kept). Changes "
+                    "that cannot roll (ports, host, replica count, model, gateway settings) are refused with the "
+                    "keys listed; nothing changes then.")
     _admin_flags(p)
 
 
@@ -85,6 +86,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     result = _call(args.url, "POST", "/admin/reload")
     if not result.get("changed"):
         print("reload: the configuration has no changes; nothing to do")
+    elif not result.get("rolling_restart"):
+        print(f"reload: {', '.join(result['changed'])} changed; applied at once (no restart)")
     else:
         print(f"reload: {', '.join(result['changed'])} changed; rolling restart accepted (one replica at a time); "
               "follow with `appliance status`")

@@ -31,6 +31,8 @@ def engine_argv(
         "--dtype", engine.dtype,
         "--shutdown-timeout", str(engine.shutdown_timeout_seconds),
         "--disable-uvicorn-access-log",
+        # usage.prompt_tokens_details.cached_tokens: per-tenant cached prompt tokens (gateway/tenants/accounting)
+        "--enable-prompt-tokens-details",
     ]
     optional = {
         "--max-num-batched-tokens": engine.max_num_batched_tokens,

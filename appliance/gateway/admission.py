@@ -3,9 +3,10 @@
 The seed's "adjust the batch from queue length and compute load", made a feedback loop: each replica's limit
 grows by one request per limit's worth of requests that met the TTFT target (additive increase) and shrinks by a
 factor when one misses it or fails (multiplicative decrease, at most once per limit's worth of completions so one
-slow burst is one cut). Requests beyond the fleet's limits wait in a FIFO queue; when the queue is full, or a
-request waited longer than its queue timeout, the gateway answers 429 with Retry-After instead of letting every
-request miss its SLA.
+slow burst is one cut). Requests beyond the fleet's limits wait in a queue, ordered by priority then fair share
+between tenants (``appliance.gateway.tenants.fair_share``; FIFO within a tenant, or for everyone when
+``admission.fair_share`` is off); when the queue is full, or a request waited longer than its queue timeout, the
+gateway answers 429 with Retry-After instead of letting every request miss its SLA.
 
 What admission hands out is a ``Lease`` (``appliance.gateway.slots``): the request's one hold on its replica's
 slot, given back exactly once, and audited on every engine poll (``SlotAudit``).
@@ -14,8 +15,11 @@ slot, given back exactly once, and audited on every engine poll (``SlotAudit``).
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
-from collections import deque
+import time
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +29,7 @@ from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.slots import Lease, LeaseLedger, SlotAudit
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant
+from appliance.gateway.tenants.fair_share import DISPATCH_COST, VirtualClock, share_bound
 from appliance.http.errors import APIError
 
 
@@ -81,46 +86,113 @@ class ConcurrencyLimits:
 @dataclass(frozen=True, eq=False)
 class _Waiter:
     """A queued request: what it waits on (a future that gets its Lease), the replicas it must not get (a retry
-    leaves the ones that failed it) and its prompt, for prefix affinity when capacity frees up."""
+    leaves the ones that failed it), its prompt (prefix affinity when capacity frees up), whose it is and when it
+    came (``seq``: FIFO within a tenant, and the whole order when fair share is off)."""
 
     future: asyncio.Future
     exclude: frozenset[str]
     request: RoutingRequest | None
+    tenant: Tenant
+    seq: int
 
 
 class Admission:
-    """Hands out replicas under their limits; queues the rest, bounded in length and in time."""
+    """Hands out replicas under their limits; queues the rest, bounded in length and in time.
+
+    The queue is ordered by priority, then fair share among the tenants of one priority (least served by weight
+    goes next, FIFO within a tenant: ``appliance.gateway.tenants.fair_share``), and while other tenants want a
+    replica a tenant holds at most its weighted max-min share of it. A new request is served through the same
+    queue, so it never takes capacity a waiter ahead of it in that order could take. ``fair_share=False``
+    (``admission.fair_share``): one FIFO queue, no bound.
+    """
 
     def __init__(self, router: Router, limits: ConcurrencyLimits, *, max_queue: int,
-                 queue_timeout_seconds: float, drift_seconds: float = 30.0) -> None:
+                 queue_timeout_seconds: float, drift_seconds: float = 30.0, fair_share: bool = True,
+                 share_window_seconds: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.router = router
         self.limits = limits
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
-        self._waiters: deque[_Waiter] = deque()
+        self.fair_share = fair_share
+        self.share_window_seconds = share_window_seconds
+        self._clock = clock
+        self._queues: dict[str, deque[_Waiter]] = {}  # per tenant, oldest first
+        self._seq = itertools.count()
+        self._held: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> leases held
+        self._recent: dict[tuple[str, str], tuple[int, float]] = {}  # (tenant, replica) -> (peak held, last held at)
+        self._tenants: dict[str, Tenant] = {}  # the latest word on each tenant's priority and weight
+        self.virtual = VirtualClock()
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
         self.ledger = LeaseLedger()
         self.audit = SlotAudit(router, self.ledger, drift_seconds=drift_seconds)
 
+    # -- views ----------------------------------------------------------------------------------------------------
+
     @property
     def queue_length(self) -> int:
-        return sum(1 for entry in self._waiters if not entry.future.done())
+        return sum(self.tenant_queued(name) for name in self._queues)
+
+    def tenant_queued(self, name: str) -> int:
+        """Requests of tenant ``name`` waiting in the queue."""
+        return sum(1 for entry in self._queues.get(name, ()) if not entry.future.done())
+
+    def tenant_in_flight(self, name: str, replica: str | None = None) -> int:
+        """Leases tenant ``name`` holds (at one replica, or at all)."""
+        held = self._held.get(name)
+        if held is None:
+            return 0
+        return held[replica] if replica is not None else sum(held.values())
+
+    def limit_of(self, name: str) -> int:
+        return self.limits.limit_of(name)
+
+    def share_bound(self, tenant: Tenant, replica: str) -> int:
+        """How many leases ``tenant`` may hold at ``replica`` now: its weighted max-min share of the replica's limit
+        among the tenants that want it (requests held there or queued anywhere, or held there within
+        ``share_window_seconds``: a tenant between two requests keeps its room); all of it when alone."""
+        limit = self.limit_of(replica)
+        if not self.fair_share:
+            return limit
+        return share_bound(limit, tenant.name, tenant.weight, self._rivals(tenant.name, replica, self._queued()))
+
+    def _queued(self) -> dict[str, int]:
+        return {name: self.tenant_queued(name) for name in self._queues}
+
+    def _rivals(self, tenant: str, replica: str, queued: dict[str, int]) -> dict[str, tuple[float, float]]:
+        """The other tenants that want ``replica``: name -> (weight, demand); ``queued``: each tenant's waiters."""
+        rivals: dict[str, tuple[float, float]] = {}
+        for name in set(self._held) | set(queued) | {name for name, _ in self._recent}:
+            if name == tenant:
+                continue
+            demand = max(self.tenant_in_flight(name, replica) + queued.get(name, 0), self._reserve(name, replica))
+            if demand > 0:
+                rivals[name] = (self._tenant(name).weight, demand)
+        return rivals
+
+    # -- admission ------------------------------------------------------------------------------------------------
 
     async def acquire(self, exclude: frozenset[str] = frozenset(), request: RoutingRequest | None = None, *,
                       tenant: Tenant = DEFAULT_TENANT) -> Lease:
         """A lease on the best replica with room, waiting in the queue for one if need be. ``tenant``: whose
-        request it is (fair share between tenants)."""
-        lease = self.try_lease(exclude, request)
-        if lease is not None:
-            return lease
+        request it is (its place in fair order and its share). The request joins the queue and the queue is
+        served at once: it is answered now only if no waiter ahead of it in fair order could take the room."""
+        self._tenants[tenant.name] = tenant
+        if not self._active(tenant.name):
+            self.virtual.activate(tenant.name, tenant.priority, self._active_priorities())
+        entry = _Waiter(asyncio.get_running_loop().create_future(), exclude, request, tenant, next(self._seq))
+        self._queues.setdefault(tenant.name, deque()).append(entry)
+        self.dispatch()
+        if entry.future.done():
+            return entry.future.result()
         if not self.router.any_eligible(exclude) and not self.router.capacity_expected():
+            self._withdraw(entry)
             raise APIError(503, "no ready replica; retry shortly", code="no_ready_replica",
                            headers={"Retry-After": "5"})
-        if self.queue_length >= self.max_queue:
+        if self.queue_length > self.max_queue:
+            self._withdraw(entry)
             self.rejected["queue_full"] += 1
             raise self._overloaded("gateway queue is full")
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(_Waiter(waiter, exclude, request))
+        waiter = entry.future
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that arrives as the
             # waiter is handed a lease, so a client that left kept going with a slot (one way slots leaked).
@@ -134,25 +206,50 @@ class Admission:
             self._abandon(waiter)
             raise
 
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """``tenant`` was served ``tokens`` (the engine's usage): it moves back in fair order by tokens / weight."""
+        self._tenants[tenant.name] = tenant
+        self.virtual.charge(tenant.name, tokens, tenant.weight)
+
+    def _withdraw(self, entry: _Waiter) -> None:
+        """A request refused before it waited leaves the queue (nothing was handed to it)."""
+        entry.future.cancel()
+        queue = self._queues.get(entry.tenant.name)
+        if queue is not None and entry in queue:
+            queue.remove(entry)
+
     def _abandon(self, waiter: asyncio.Future) -> None:
         """The waiter leaves the queue; a lease handed to it at the last moment goes back."""
         if waiter.done() and not waiter.cancelled():
             waiter.result().release(Outcome.ABORTED)
         waiter.cancel()
 
-    def limit_of(self, name: str) -> int:
-        return self.limits.limit_of(name)
-
-    def try_lease(self, exclude: frozenset[str], request: RoutingRequest | None) -> Lease | None:
+    def try_lease(self, exclude: frozenset[str], request: RoutingRequest | None, *,
+                  tenant: Tenant = DEFAULT_TENANT) -> Lease | None:
+        """A lease now if a replica has room, past the queue and fair share (tests fill replicas with it)."""
         replica = self.router.try_acquire(exclude, request)
         if replica is None:
             return None
+        name = tenant.name
         self.ledger.taken(replica)
-        return Lease(replica, self._given_back, self.ledger.on_reclaimed)
+        self._held[name][replica.name] += 1
+        self._note_level(name, replica.name, self._held[name][replica.name])
 
-    def _given_back(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
+        def given_back(replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
+            self._given_back(replica, outcome, ttft_seconds, name)
+
+        return Lease(replica, given_back, self.ledger.on_reclaimed)
+
+    def _given_back(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None, tenant: str) -> None:
         """A lease was released (once): the slot returns, the replica is judged, the queue moves."""
         self.ledger.given_back(replica)
+        held = self._held[tenant]
+        self._note_level(tenant, replica.name, held[replica.name])
+        held[replica.name] -= 1
+        if held[replica.name] <= 0:
+            del held[replica.name]
+            if not held:
+                del self._held[tenant]
         self.router.release(replica, outcome, ttft_seconds)
         if outcome in (Outcome.SUCCESS, Outcome.FAILURE):
             self.limits.on_sample(replica.name, ttft_seconds, failed=outcome is Outcome.FAILURE)
@@ -164,19 +261,85 @@ class Admission:
         self.dispatch()
 
     def dispatch(self) -> None:
-        """Give freed capacity to the oldest waiters, each within its exclusions: a waiter that may not take
-        what is free keeps its place, and the next one is served."""
-        for entry in list(self._waiters):
+        """Give free capacity to waiters in fair order, each within its exclusions and its tenant's share: a
+        waiter that may not take what is free keeps its place, and the next one is served. Served one at a time,
+        the order recomputed after each (a dispatch moves its tenant back)."""
+        self._prune()
+        while any(self._serve_one(group) for group in self._groups()):
+            pass
+
+    def _serve_one(self, group: list[_Waiter]) -> bool:
+        """Serve the first waiter of ``group`` that can be served; True if one was. A waiter with no exclusion
+        that cannot be served means none after it in its group can (same tenant's share, same free room)."""
+        if self.fair_share and group:
+            queued = self._queued()
+            full = frozenset(r.name for r in self.router.replicas() if self._at_share(group[0].tenant, r.name, queued))
+        else:
+            full = frozenset()
+        for entry in group:
             if entry.future.done():
-                self._waiters.remove(entry)
                 continue
-            lease = self.try_lease(entry.exclude, entry.request)
+            lease = self.try_lease(entry.exclude | full, entry.request, tenant=entry.tenant)
             if lease is None:
                 if not entry.exclude:
-                    return  # nothing free for anyone
+                    return False
                 continue
-            self._waiters.remove(entry)
+            self._queues[entry.tenant.name].remove(entry)
+            self.virtual.charge(entry.tenant.name, DISPATCH_COST, self._tenant(entry.tenant.name).weight)
             entry.future.set_result(lease)
+            return True
+        return False
+
+    def _groups(self) -> list[list[_Waiter]]:
+        """The waiters in serving order: per tenant (FIFO), tenants by priority then least virtual time; or, fair
+        share off, all of them in one FIFO group."""
+        if not self.fair_share:
+            return [list(heapq.merge(*self._queues.values(), key=lambda entry: entry.seq))]
+        waiting = [(name, queue) for name, queue in self._queues.items() if queue]
+        waiting.sort(key=lambda item: (-self._tenant(item[0]).priority, self.virtual.of(item[0]), item[1][0].seq))
+        return [list(queue) for _, queue in waiting]
+
+    def _prune(self) -> None:
+        for name in list(self._queues):
+            queue = self._queues[name]
+            while queue and queue[0].future.done():
+                queue.popleft()
+            if not any(not entry.future.done() for entry in queue):
+                del self._queues[name]
+
+    def _at_share(self, tenant: Tenant, replica: str, queued: dict[str, int]) -> bool:
+        """``tenant`` holds its share of ``replica`` while others want it (alone, only the replica's limit counts)."""
+        rivals = self._rivals(tenant.name, replica, queued)
+        if not rivals:
+            return False
+        current = self._tenant(tenant.name)
+        bound = share_bound(self.limit_of(replica), current.name, current.weight, rivals)
+        return self.tenant_in_flight(tenant.name, replica) >= bound
+
+    def _tenant(self, name: str) -> Tenant:
+        return self._tenants.get(name) or Tenant(name)
+
+    def _active(self, name: str) -> bool:
+        return self.tenant_in_flight(name) > 0 or self.tenant_queued(name) > 0
+
+    def _active_priorities(self) -> dict[str, int]:
+        names = {name for name in set(self._held) | set(self._queues) if self._active(name)}
+        return {name: self._tenant(name).priority for name in names}
+
+    def _note_level(self, tenant: str, replica: str, level: int) -> None:
+        """``tenant`` holds (or held until now) ``level`` leases at ``replica``: its recent peak, for the window."""
+        now = self._clock()
+        peak, at = self._recent.get((tenant, replica), (0, -math.inf))
+        if now - at > self.share_window_seconds or level >= peak:
+            self._recent[(tenant, replica)] = (level, now)
+
+    def _reserve(self, tenant: str, replica: str) -> int:
+        """The most leases ``tenant`` held at ``replica`` within the last ``share_window_seconds`` (0: none)."""
+        peak, at = self._recent.get((tenant, replica), (0, -math.inf))
+        if self._clock() - at > self.share_window_seconds:
+            self._recent.pop((tenant, replica), None)
+            return 0
+        return peak
 
     def _overloaded(self, why: str) -> APIError:
         retry_after = max(1, math.ceil(self.queue_timeout_seconds / 2))

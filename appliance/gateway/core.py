@@ -1,4 +1,5 @@
-"""The data path assembled: router, admission, the upstream proxy, the engine-load poller and request metrics.
+"""The data path assembled: router, admission, the upstream proxy, the engine-load poller, request metrics and the
+tenants (their directory, quotas and accounting; ``update_tenants`` applies a reloaded configuration at once).
 
 It knows replicas only through ``appliance.engine.contract.Replica`` and knows nothing of maintenance; the
 composition root (``appliance.app``) builds it and hands the pieces maintenance needs as plain callables.
@@ -6,8 +7,9 @@ composition root (``appliance.app``) builds it and hands the pieces maintenance 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,11 +20,14 @@ from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoadPoller
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
 from appliance.gateway.fleet_metrics import FleetCollector
-from appliance.gateway.metrics import RequestMetrics
+from appliance.gateway.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
 from appliance.gateway.routes import health, metrics, openai, runbooks
+from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
+from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tenants.settings import TenantSettings
 from appliance.gateway.tracing import build_tracer_provider
 from appliance.settings import Settings
 
@@ -36,6 +41,8 @@ class Gateway:
     metrics: RequestMetrics
     tracer_provider: TracerProvider
     tenants: TenantDirectory
+    accounting: TenantAccounting
+    quotas: Quotas
 
     async def open(self) -> None:
         await self.upstream.open()
@@ -45,6 +52,23 @@ class Gateway:
         await self.poller.stop()
         await self.upstream.close()
         self.tracer_provider.shutdown()
+
+    def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str]) -> None:
+        """A new tenant configuration, applied at once (``appliance reload``): keys, priorities, weights and quota
+        rates; every bucket's level is kept."""
+        self.tenants.update(tenants, flat_keys)
+        configured = self.tenants.tenants()
+        self.quotas.update(configured)
+        self.accounting.configure(tenant.name for tenant in configured)
+
+    def count_unproxied(self, path: str, scope: MutableMapping[str, Any], status: int) -> None:
+        """An answer the proxy never saw (validation, auth, drain...): the fleet's count, and the tenant's when
+        its key was already identified."""
+        first = path in CLIENT_ROUTES and not scope.get(COUNTED)
+        self.metrics.count_unproxied(path, scope, status)
+        tenant = (scope.get("state") or {}).get("tenant")
+        if first and tenant is not None:
+            self.accounting.answered(tenant.name, status)
 
     @staticmethod
     def routes() -> list[APIRouter]:
@@ -57,18 +81,23 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
     admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
                           else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds,
-                          drift_seconds=settings.admission.slot_drift_seconds)
+                          drift_seconds=settings.admission.slot_drift_seconds,
+                          fair_share=settings.admission.fair_share,
+                          share_window_seconds=settings.admission.share_window_seconds)
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
-    registry.register(FleetCollector(router, admission))
+    tenants = TenantDirectory(settings.tenants, settings.api_keys)
+    quotas = Quotas(tenants.tenants())
+    accounting = TenantAccounting(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds, ratios=quotas.ratios)
+    accounting.configure(tenant.name for tenant in tenants.tenants())
+    registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()]))
     tracer_provider = build_tracer_provider(settings, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.request_timeout_seconds,
                         idle_timeout_seconds=settings.upstream_idle_timeout_seconds,
-                        tracing=_records_traces(settings, span_exporter))
+                        tracing=_records_traces(settings, span_exporter), accounting=accounting, quotas=quotas)
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
-    tenants = TenantDirectory(settings.tenants, settings.api_keys)
-    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants)
+    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas)
 
 
 def _records_traces(settings: Settings, exporter: SpanExporter | None) -> bool:

@@ -7,7 +7,7 @@ both (the request-path metrics in ``gateway/metrics.py`` sit below the router, w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -20,9 +20,11 @@ from appliance.gateway.router import Router
 class FleetCollector(Collector):
     """Replica and admission state, read from the live objects at scrape time."""
 
-    def __init__(self, router: Router, admission: Admission) -> None:
+    def __init__(self, router: Router, admission: Admission,
+                 tenant_names: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self._router = router
         self._admission = admission
+        self._tenant_names = tenant_names  # the configured tenants, read at each scrape (a reload changes them)
 
     def collect(self) -> Iterable[Metric]:
         replicas = list(self._router.replicas())
@@ -60,6 +62,20 @@ class FleetCollector(Collector):
         for reason, count in self._admission.rejected.items():
             rejected.add_metric([reason], count)
         yield rejected
+        yield from self._tenants()
+
+    def _tenants(self) -> Iterable[Metric]:
+        """Each configured tenant's requests held at the replicas and waiting in the queue, 0 included (labels
+        from the configuration only, never from a request)."""
+        in_flight = GaugeMetricFamily("appliance_tenant_in_flight_requests",
+                                      "Requests of each tenant in flight at the replicas.", labels=["tenant"])
+        queued = GaugeMetricFamily("appliance_tenant_queued_requests",
+                                   "Requests of each tenant waiting in the gateway's admission queue.",
+                                   labels=["tenant"])
+        for name in self._tenant_names():
+            in_flight.add_metric([name], self._admission.tenant_in_flight(name))
+            queued.add_metric([name], self._admission.tenant_queued(name))
+        yield from (in_flight, queued)
 
     def _slot_audit(self, replicas: list[Replica]) -> Iterable[Metric]:
         """The slot invariant (appliance.gateway.slots): all 0 on a healthy gateway."""

@@ -22,6 +22,12 @@ timed out) is continued on another replica from the exact token where it broke, 
 instead of ending with an error event. The continuation runs under the same exchange and holds one slot at a
 time: the broken replica's lease is settled (as a failure) before the next replica's is taken. A non-streaming
 request whose answer broke mid-body is sent again, whole, to another replica: nothing of it reached the client.
+
+Tenants (``appliance.gateway.tenants``): the tenant's quotas are checked before the request queues (429
+``rate_limit_exceeded`` with Retry-After); its answer, latency and the engines' usage are counted per tenant, and
+the usage corrects the quota's and fair share's charges at the end. A stream whose client did not ask for usage
+asks the engine for it, and the relay hides that event (framing whole events to do so), so the client's bytes are
+those it would have had.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ from appliance.gateway.metrics import COUNTED, RequestMetrics
 from appliance.gateway.router import Outcome
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.slots import Lease
+from appliance.gateway.tenants.accounting import USAGE, HiddenUsage, TenantAccounting, Usage, ask_for_usage, final_usage
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant
+from appliance.gateway.tenants.quota import Quotas, estimate_prompt_tokens
 from appliance.gateway.tracing import RequestTrace
 from appliance.http.errors import APIError, error_body
 
@@ -123,6 +131,23 @@ class Exchange:
     ledger: migration.StreamLedger | None = None  # a migratable stream's record of what the client was sent
     refused: str | None = None  # why its stream could not be continued, if it could not
     tenant: Tenant = DEFAULT_TENANT  # whose request (the API key's tenant; appliance.gateway.tenants)
+    hidden_usage: HiddenUsage | None = None  # the gateway asked the engine for usage the client did not ask for
+    usage: Usage | None = None  # what the engines reported (every leg of a continued stream), once known
+    charged: int = 0  # tokens charged to the tenant's quota so far (estimate, then one per streamed event)
+
+    def to_client(self, events: bytes) -> bytes:
+        """Whole events on their way to the client, less the usage event it did not ask for."""
+        return events if self.hidden_usage is None else self.hidden_usage.feed(events)
+
+    def held_back(self) -> bytes:
+        """What ``to_client`` still holds (the stream ends or breaks here)."""
+        return b"" if self.hidden_usage is None else self.hidden_usage.flush()
+
+    def reported(self, usage: dict | None) -> None:
+        """One engine usage report for this request (a continued stream has one per leg)."""
+        found = Usage.of(usage)
+        if found is not None:
+            self.usage = found if self.usage is None else self.usage + found
 
     @property
     def replica(self) -> Replica:
@@ -148,9 +173,12 @@ class Upstream:
 
     def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
                  timeout_seconds: float, tracing: bool, max_attempts: int = 2,
-                 idle_timeout_seconds: float | None = None) -> None:
+                 idle_timeout_seconds: float | None = None, accounting: TenantAccounting | None = None,
+                 quotas: Quotas | None = None) -> None:
         self.admission = admission
         self.metrics = metrics
+        self.accounting = accounting  # per-tenant metrics (None: not kept, and streams are relayed untouched)
+        self.quotas = quotas
         self.tracer = tracer
         self.tracing = tracing
         self.max_attempts = max_attempts
@@ -195,8 +223,10 @@ class Upstream:
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
                             request=request, routing=None if prompt is None else RoutingRequest(prompt),
                             tenant=getattr(request.state, "tenant", DEFAULT_TENANT))
+        self._ask_for_usage(exchange)
         self._plan_migration(exchange)
         try:
+            self._check_quota(exchange, prompt)
             response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
             if isinstance(response, RelayedStream):
                 exchange.handed_off = True  # the stream serves the rest and settles it
@@ -215,6 +245,43 @@ class Upstream:
         finally:
             if not exchange.handed_off:  # whatever happened, nothing outlives the request unowned
                 exchange.settle(Outcome.ABORTED)
+
+    def _check_quota(self, exchange: Exchange, prompt: str | None) -> None:
+        """The tenant's quotas, before the request queues: a 429 with Retry-After when spent; else one request
+        taken and the prompt's estimate charged (the engine's usage corrects it at the end)."""
+        if self.quotas is None:
+            return
+        estimate = estimate_prompt_tokens(prompt)
+        refusal = self.quotas.admit(exchange.tenant, estimate)
+        if refusal is None:
+            exchange.charged = estimate
+            return
+        if self.accounting is not None:
+            self.accounting.limited(exchange.tenant.name, refusal.limit)
+        raise APIError(429, refusal.message, code="rate_limit_exceeded",
+                       headers={"Retry-After": str(refusal.retry_after)})
+
+    def _charge_streamed(self, exchange: Exchange, tokens: int) -> None:
+        """Completion tokens as they stream (one per event), so a long stream spends its quota while it runs."""
+        if self.quotas is not None and tokens > 0:
+            self.quotas.charge(exchange.tenant, tokens)
+            exchange.charged += tokens
+
+    def _ask_for_usage(self, exchange: Exchange) -> None:
+        """A stream whose client did not ask for usage asks the engine for it anyway (accounting counts what the
+        engine reports), and hides it from the client."""
+        if self.accounting is None or not exchange.stream:
+            return
+        try:
+            body = json.loads(exchange.body)
+        except ValueError:
+            return
+        if not isinstance(body, dict):
+            return
+        asked = ask_for_usage(exchange.body, body)
+        if asked is not None:
+            exchange.body = asked
+            exchange.hidden_usage = HiddenUsage()
 
     def _plan_migration(self, exchange: Exchange) -> None:
         """Whether this request's stream may be continued elsewhere; if so, ask the engine for token ids."""
@@ -282,7 +349,10 @@ class Upstream:
             lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing, tenant=exchange.tenant)
             exchange.dispatched = time.monotonic()
         finally:
-            self.metrics.queue_wait.observe(time.monotonic() - queued_at)
+            waited = time.monotonic() - queued_at
+            self.metrics.queue_wait.observe(waited)
+            if self.accounting is not None:
+                self.accounting.queue_wait.labels(exchange.tenant.name).observe(waited)
             span.end()
         exchange.trace.root.set_attribute("appliance.replica", lease.replica.name)
         if exchange.routing is not None and exchange.routing.decision is not None:
@@ -351,7 +421,9 @@ class Upstream:
             outcome = Outcome.FAILURE
         exchange.settle(outcome)
         if outcome is Outcome.SUCCESS:
-            self.metrics.observe_usage(_usage(content))
+            usage = _usage(content)
+            self.metrics.observe_usage(usage)
+            exchange.reported(usage)
         return Response(content=content, status_code=upstream.status,
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers={"x-appliance-replica": replica.name})
@@ -366,6 +438,9 @@ class Upstream:
         chunks = 0
         tail = b""
         stream_span = exchange.trace.child("gateway.stream")
+        # Raw chunks pass as they come, unless a usage event must be hidden: then whole events (one may be split
+        # across chunks), so that event can be taken out.
+        events = migration.SSEEvents() if exchange.hidden_usage is not None else None
         self._streams.add(upstream)
         try:
             async for chunk in upstream.content.iter_any():
@@ -378,13 +453,25 @@ class Upstream:
                     self.metrics.itl.labels(exchange.route).observe(now - last)
                 last = now
                 self.admission.router.note_relayed(replica.name)
-                chunks += chunk.count(b"data: ")
+                sent = chunk.count(b"data: ")
+                chunks += sent
+                self._charge_streamed(exchange, sent)
                 tail = (tail + chunk)[-2048:]  # usage and [DONE] may come in two chunks
+                if events is not None:
+                    chunk = exchange.to_client(b"".join(events.feed(chunk)))
+                    if not chunk:
+                        continue
                 yield chunk
+            if events is not None:
+                rest, events = exchange.held_back() + events.pending, None
+                if rest:
+                    yield rest
             if upstream in self._cut:
                 raise aiohttp.ClientConnectionError("cut by the gateway")
             outcome, status = Outcome.SUCCESS, 200
         except UPSTREAM_ERRORS as exc:
+            if events is not None and (rest := exchange.held_back() + events.pending):
+                yield rest
             if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
                 outcome, status = Outcome.ABORTED, 503
                 message = "the gateway is shutting down; the stream was cut at the drain timeout"
@@ -401,6 +488,7 @@ class Upstream:
         finally:
             self._streams.discard(upstream)
             self._cut.discard(upstream)
+            exchange.reported(_final_usage_in(tail))
             self._end_stream(exchange, stream_span, first=first, replica_first=first, last=last, chunks=chunks,
                              tail=tail, outcome=outcome, status=status)
 
@@ -426,6 +514,8 @@ class Upstream:
                     async for chunk in upstream.content.iter_any():
                         self.admission.router.note_relayed(replica.name)
                         for event in events.feed(chunk):
+                            if USAGE in event and (final := final_usage(event)) is not None:
+                                exchange.reported(final["usage"])  # as the engine reported it, every leg
                             out = ledger.accept(event)
                             now = time.monotonic()
                             if leg_first is None:
@@ -441,8 +531,10 @@ class Upstream:
                                 self.metrics.itl.labels(exchange.route).observe(now - last)
                             last = now
                             chunks += 1
+                            self._charge_streamed(exchange, 1)
                             tail = (tail + out)[-2048:]  # whole events one by one: usage and [DONE] are two
-                            yield out
+                            if out := exchange.to_client(out):
+                                yield out
                             if ledger.aborted:
                                 ledger.aborted = False
                                 raise migration.StreamBreak(migration.ENGINE_ERROR, "the engine aborted the request")
@@ -454,6 +546,8 @@ class Upstream:
                     outcome, status = Outcome.SUCCESS, 200
                     return
                 except (migration.StreamBreak, *UPSTREAM_ERRORS) as exc:
+                    if held := exchange.held_back():  # a finish held for a usage event that never came
+                        yield held
                     if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
                         outcome, status = Outcome.ABORTED, 503
                         message = "the gateway is shutting down; the stream was cut at the drain timeout"
@@ -466,7 +560,8 @@ class Upstream:
                         exchange.settle(Outcome.FAILURE)
                         out = ledger.closing()
                         tail = (tail + out)[-2048:]  # whole events one by one: usage and [DONE] are two
-                        yield out
+                        if out := exchange.to_client(out):
+                            yield out
                         outcome, status = Outcome.SUCCESS, 200
                         return
                     failed = _failed_outcome(exc)
@@ -606,6 +701,8 @@ class Upstream:
         if outcome is not Outcome.SUCCESS or ttft is None:
             return
         self.metrics.ttft.labels(exchange.route).observe(ttft)
+        if self.accounting is not None:
+            self.accounting.ttft.labels(exchange.tenant.name).observe(ttft)
         usage = _stream_usage(tail)
         self.metrics.observe_usage(usage)
         # Tokens from the engine's usage report when the client asked for it, else one per content event
@@ -622,7 +719,23 @@ class Upstream:
         self.metrics.requests.labels(exchange.route, str(status)).inc()
         if status < 400:
             self.metrics.e2e.labels(exchange.route).observe(time.monotonic() - exchange.arrived)
+        self._account(exchange, status)
         exchange.trace.finish(status)
+
+    def _account(self, exchange: Exchange, status: int) -> None:
+        """The tenant's answer and usage; its quota and fair-share charges corrected to what the engines reported
+        (a usage never reported leaves the charges as they were: the estimate and the events streamed)."""
+        tenant, usage = exchange.tenant, exchange.usage
+        if self.accounting is not None:
+            self.accounting.answered(tenant.name, status)
+            if usage is not None:
+                self.accounting.used(tenant.name, usage)
+        if usage is None:
+            return
+        if self.quotas is not None:
+            self.quotas.charge(tenant, usage.total - exchange.charged)
+            exchange.charged = usage.total
+        self.admission.charge(tenant, usage.total)
 
 
 @dataclass
@@ -727,6 +840,14 @@ def _usage(content: bytes) -> dict | None:
         return json.loads(content).get("usage")
     except (ValueError, AttributeError):
         return None
+
+
+def _final_usage_in(tail: bytes) -> dict | None:
+    """The usage of the final usage event in a stream's tail (not a running total on a content chunk)."""
+    for line in reversed(tail.split(b"\n")):
+        if USAGE in line and (final := final_usage(line)) is not None:
+            return final["usage"]
+    return None
 
 
 def _stream_usage(tail: bytes) -> dict | None:

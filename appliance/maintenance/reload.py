@@ -1,18 +1,26 @@
-"""``appliance reload`` / ``POST /admin/reload``: re-read the configuration given at start and roll the replicas
-onto the new engine settings, one at a time (the rolling restart, so ``min_ready_replicas`` holds).
+"""``appliance reload`` / ``POST /admin/reload``: re-read the configuration given at start, apply the tenants and
+API keys at once, and roll the replicas onto the new engine settings, one at a time (the rolling restart, so
+``min_ready_replicas`` holds).
+
+What applies at once (``HOT_KEYS``): ``tenants``, ``api_keys`` and ``api_keys_file`` -- the keys, each tenant's
+priority, weight and quota rates -- through the ``hot`` callback the composition root gives (the gateway's tenant
+directory, quotas and accounting, and the settings the key check reads). No restart: every tenant's quota bucket
+keeps its level (a tenant in debt stays in debt), a removed tenant's keys are refused from then on.
 
 What can roll: the ``engine`` section (vLLM's flags, its environment, its timeouts), because each replica's
-command line is rebuilt from it at its next start. What cannot: anything the running gateway, collectors or
-maintenance were built from at start (ports, host, replica count, model, served name, routing, admission, keys,
-maintenance ...), and ``engine.tensor_parallel_size`` (it changes which devices a replica holds, and replicas
-restarted one at a time would overlap the ones not yet restarted). A reload that changes any of those is refused
-as a whole, with the keys listed, and nothing changes: restart the appliance for them.
+command line is rebuilt from it at its next start. What cannot: anything else the running gateway, collectors or
+maintenance were built from at start (ports, host, replica count, model, served name, routing, admission, the admin
+and metrics tokens, maintenance ...), and ``engine.tensor_parallel_size`` (it changes which devices a replica
+holds, and replicas restarted one at a time would overlap the ones not yet restarted). A reload that changes any of
+those is refused as a whole, with the keys listed, and nothing changes: restart the appliance for them. A reload
+that changes engine settings while a restart is in progress is refused as a whole too (nothing changes); one that
+changes only tenants and keys applies at once.
 
 A reload whose rolling restart stops (a replica not back in time, too few routable replicas, the appliance
 stopping) is undone: it unstages what it staged, so no later crash restart or admin restart starts an engine on
 the settings the roll stopped on, and the running configuration it compares the next reload with is the previous
-one again. A replica the roll already moved keeps its engine until its next start, then starts on the previous
-settings.
+one again (with the tenants and keys it applied, which stay applied). A replica the roll already moved keeps its
+engine until its next start, then starts on the previous settings.
 
 The configuration is re-read from the same file and explicit overrides as at start, with the environment of the
 running process. Values the start command filled in itself (``appliance up``: the demo model, the generated
@@ -34,6 +42,7 @@ from appliance.settings import ConfigError, Settings
 log = logging.getLogger(__name__)
 
 NOT_ROLLABLE_ENGINE_KEYS = frozenset({"engine.tensor_parallel_size"})
+HOT_KEYS = ("tenants", "api_keys", "api_keys_file")  # applied at once, without a restart
 
 
 class ReloadUnavailable(MaintenanceError):
@@ -79,9 +88,13 @@ def rollable(key: str) -> bool:
 
 class ConfigReloader:
     def __init__(self, settings: Settings, controller: MaintenanceController,
-                 stage: Callable[[Settings], None] | None, unstage: Callable[[], None] | None = None) -> None:
+                 stage: Callable[[Settings], None] | None, unstage: Callable[[], None] | None = None,
+                 hot: Callable[[Settings], None] | None = None) -> None:
         """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods; None when the appliance does not run its
-        engines (a reload then is unavailable: it could not be undone)."""
+        engines (a reload then is unavailable: it could not be undone). ``hot``: applies the ``HOT_KEYS`` of a new
+        configuration to the running appliance (set by the composition root; None: they are refused like any
+        other key)."""
+        self.hot = hot
         self.current = settings
         self._controller = controller
         self._stage = stage
@@ -101,13 +114,19 @@ class ConfigReloader:
         changed = changed_keys(self.current, new)
         if not changed:
             return ReloadResult([], False)
-        blocked = [key for key in changed if not rollable(key)]
+        hot = [key for key in changed if key in HOT_KEYS and self.hot is not None]
+        blocked = [key for key in changed if not rollable(key) and key not in hot]
         if blocked:
             raise ReloadRefused(f"cannot roll {', '.join(blocked)} onto running replicas (only engine.* settings "
-                                "roll, except engine.tensor_parallel_size); restart the appliance for these. "
-                                "Nothing changed.")
-        if self._controller.busy:
+                                "roll, except engine.tensor_parallel_size; tenants and api_keys apply at once); "
+                                "restart the appliance for these. Nothing changed.")
+        rolling = len(hot) < len(changed)
+        if rolling and self._controller.busy:
             raise MaintenanceBusy("a restart is in progress; reload again when it is done")
+        if hot:
+            self._apply_hot(new, hot)
+        if not rolling:
+            return ReloadResult(changed, False)
         previous = self.current
         self._stage(new)
         self.current = previous.model_copy(update={"engine": new.engine})
@@ -120,6 +139,12 @@ class ConfigReloader:
             self._undo(previous, "the rolling restart did not start")
             raise
         return ReloadResult(changed, True)
+
+    def _apply_hot(self, new: Settings, keys: list[str]) -> None:
+        assert self.hot is not None
+        self.hot(new)
+        self.current = self.current.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
+        log.info("maintenance: reload applied %s at once", ", ".join(keys))
 
     def _roll_ended(self, outcome: Outcome, previous: Settings) -> None:
         if outcome.result != "ok":

@@ -54,7 +54,8 @@ async def rolling_restart(request: Request) -> JSONResponse:
 @router.post("/reload")
 async def reload(request: Request) -> JSONResponse:
     """Re-read the configuration given at start; roll the replicas onto new engine settings one at a time (202),
-    or say nothing changed (200). 409 for changes that cannot roll (the keys are listed), 400 if it is invalid."""
+    or, when nothing is to roll, say what changed (tenants and keys, applied at once) or that nothing did (200).
+    409 for changes that cannot roll (the keys are listed), 400 if it is invalid."""
     result = request.app.state.maintenance.reloader.reload()
     return JSONResponse({"action": "reload", **result.as_dict()}, status_code=202 if result.rolling_restart else 200)
 

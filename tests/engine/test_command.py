@@ -23,6 +23,7 @@ def test_engine_flags_use_vllm_names():
     assert flags["--shutdown-timeout"] == "7"
     assert argv[-2:] == ["--seed", "1"]
     assert "--quantization" not in argv  # read from the checkpoint unless configured
+    assert "--enable-prompt-tokens-details" in argv  # cached prompt tokens in usage, for per-tenant accounting
 
 
 def test_cpu_memory_budget_goes_to_the_environment():

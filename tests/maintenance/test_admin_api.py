@@ -85,6 +85,38 @@ def test_status_shows_spawn_failures_and_their_last_error(make_app):
     assert "replica-0:" not in text
 
 
+def test_status_lists_the_tenants_heaviest_first_with_what_they_hold(make_app):
+    """`appliance status` answers "who is using the engines": tenants by tokens used, with in-flight and 429s."""
+    from appliance.admin_client import format_status
+
+    client, _replicas, _registry = make_app(tenants=[{"name": "batch", "api_keys": ["kb"]},
+                                                     {"name": "chat", "api_keys": ["kc"], "requests_per_minute": 1}])
+    for key, count in (("kb", 3), ("kc", 2)):
+        for _ in range(count):
+            client.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 4},
+                        headers={"Authorization": f"Bearer {key}"})
+    status = client.get("/admin/status", headers=AUTH).json()
+    rows = {row["tenant"]: row for row in status["tenants"]}
+    # The stub reports no usage, so tokens tie and names decide; the order by tokens is accounting's own test.
+    assert [row["tenant"] for row in status["tenants"]] == ["batch", "chat"]
+    assert rows["batch"]["requests"] == 3 and rows["batch"]["rate_limited"] == 0
+    assert rows["chat"]["requests"] == 2 and rows["chat"]["rate_limited"] == 1  # one a minute
+    assert rows["batch"]["in_flight"] == 0 and rows["batch"]["queued"] == 0
+    text = format_status(status)
+    header = next(line for line in text.splitlines() if line.startswith("tenant"))
+    assert "in-flight" in header and "429s" in header
+    assert text.index("\nbatch ") < text.index("\nchat ")
+
+
+def test_status_without_tenants_prints_no_tenant_table(make_app):
+    from appliance.admin_client import format_status
+
+    client, _replicas, _registry = make_app()
+    status = client.get("/admin/status", headers=AUTH).json()
+    assert [row["tenant"] for row in status["tenants"]] == ["default"]
+    assert "in-flight  queued" not in format_status(status).split("\n", 1)[1]
+
+
 def test_cli_restart_needs_a_replica_or_rolling(capsys):
     from appliance.cli import main
 

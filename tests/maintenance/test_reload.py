@@ -173,3 +173,106 @@ def test_cli_reload_prints_what_changed(reloadable, monkeypatch, capsys):
     assert args.handler(args) == 0
     assert "engine.max_num_seqs changed; rolling restart accepted" in capsys.readouterr().out
     wait_idle(client)
+
+
+# -- tenants and keys: applied at once, quota levels kept ------------------------------------------------------------
+
+TENANTS = [{"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2},
+           {"name": "team-b", "api_keys": ["key-b"]}]
+COMPLETION = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture
+def with_tenants(stubs, tmp_path):
+    config = tmp_path / "appliance.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "tenants": TENANTS}))
+    stager = StagingFleet(fleet([s.url for s in stubs]))
+    with TestClient(create_app(load_settings(config), fleet=stager, registry=CollectorRegistry()),
+                    raise_server_exceptions=False) as client:
+        yield client, config, stager
+
+
+def complete(client: TestClient, key: str) -> int:
+    return client.post("/v1/completions", json=COMPLETION, headers={"authorization": f"Bearer {key}"}).status_code
+
+
+def test_tenants_apply_at_once_and_quota_levels_survive(with_tenants):
+    client, config, stager = with_tenants
+    assert [complete(client, "key-a") for _ in range(3)] == [200, 200, 429]  # team-a's bucket is spent
+    assert complete(client, "key-b") == 200
+    edit(config, tenants=[{"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 3, "priority": 5},
+                          {"name": "team-c", "api_keys": ["key-c"], "tokens_per_minute": 1000}])
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"action": "reload", "changed": ["tenants"], "rolling_restart": False}
+    assert stager.staged == [] and [r.status.restarts for r in stager.replicas] == [0, 0]  # no restart
+    assert complete(client, "key-a") == 429  # still spent: its level survived the new rate
+    assert complete(client, "key-b") == 401  # a removed tenant's key is refused at once
+    assert complete(client, "key-c") == 200  # a new one works at once
+    state = client.app.state
+    assert state.tenants.get("team-a").priority == 5 and state.tenants.get("team-b") is None
+    assert state.gateway.quotas.get("team-a").requests.capacity == 3
+    assert [t.name for t in state.settings.tenants] == ["team-a", "team-c"]
+    assert state.maintenance.reloader.current.tenants == state.settings.tenants
+    # the same file again: nothing changed
+    assert client.post("/admin/reload", headers=AUTH).json()["changed"] == []
+
+
+def test_a_debt_survives_a_reload(with_tenants):
+    client, config, _stager = with_tenants
+    edit(config, tenants=[{"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 600}])
+    assert client.post("/admin/reload", headers=AUTH).status_code == 200
+    quotas = client.app.state.gateway.quotas
+    quotas.get("team-a").tokens.charge(1000)  # the engine reported more than a minute's worth
+    edit(config, tenants=[{"name": "team-a", "api_keys": ["key-a", "key-a2"], "tokens_per_minute": 1200}])
+    assert client.post("/admin/reload", headers=AUTH).status_code == 200
+    assert quotas.get("team-a").tokens.level < 0  # a tenant in debt stays in debt
+    refused = client.post("/v1/completions", json=COMPLETION, headers={"authorization": "Bearer key-a2"})
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_flat_api_keys_reload_at_once(with_tenants):
+    client, config, _stager = with_tenants
+    edit(config, api_keys=["flat-key"])
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 200 and response.json()["changed"] == ["api_keys"]
+    assert complete(client, "flat-key") == 200
+    assert client.app.state.tenants.identify("flat-key").name == "default"
+
+
+def test_a_mixed_reload_applies_tenants_and_still_rolls(with_tenants):
+    client, config, stager = with_tenants
+    edit(config, engine__max_num_seqs=8, tenants=[{"name": "team-c", "api_keys": ["key-c"]}])
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 202, response.text
+    assert response.json()["changed"] == ["engine.max_num_seqs", "tenants"]
+    assert complete(client, "key-c") == 200 and complete(client, "key-a") == 401
+    wait_idle(client)
+    assert [r.status.restarts for r in stager.replicas] == [1, 1]
+    assert stager.staged[-1].engine.max_num_seqs == 8
+
+
+def test_a_tenant_reload_with_a_key_that_cannot_roll_changes_nothing(with_tenants):
+    client, config, stager = with_tenants
+    edit(config, port=9001, tenants=[{"name": "team-c", "api_keys": ["key-c"]}])
+    response = client.post("/admin/reload", headers=AUTH)
+    assert response.status_code == 409 and "port" in response.json()["error"]["message"]
+    assert response.json()["error"]["message"].startswith("cannot roll port onto")  # tenants are not a blocker
+    assert complete(client, "key-c") == 401 and complete(client, "key-b") == 200
+
+
+def test_cli_reload_says_tenants_applied_at_once(with_tenants, monkeypatch, capsys):
+    from appliance import admin_client
+    from appliance.cli import admin as cli
+
+    client, config, _stager = with_tenants
+    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "t0ken")
+    monkeypatch.setattr(admin_client, "call",
+                        lambda _url, method, path: client.request(method, path, headers=AUTH).json())
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    edit(config, tenants=[{"name": "team-c", "api_keys": ["key-c"]}])
+    args = parser.parse_args(["reload"])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "tenants changed; applied at once (no restart)" in out and "rolling" not in out

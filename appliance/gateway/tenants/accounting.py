@@ -1,0 +1,255 @@
+"""Who used what: per-tenant requests, tokens, latency and quota refusals, as Prometheus metrics and as a summary
+for ``appliance status``.
+
+Tokens are what the engines reported in their ``usage`` (``prompt_tokens``, ``completion_tokens``,
+``prompt_tokens_details.cached_tokens``), so the tenants' counters add up to the engines' own counters. Streams
+ask the engine for usage even when the client did not, and hide that usage from the client (``ask_for_usage``,
+``HiddenUsage``).
+
+A usage the engine never reported is simply not counted, though the engine did (part of) the work: a client that
+left before the end (the engine aborts the request), an engine that died mid-answer. A stream continued on another
+replica counts what the continuation's engine reports: its prompt (the original prompt plus the tokens already
+sent, prefilled again) and the rest of the answer; the broken leg reported nothing. Only then do the tenants'
+counters fall short of the engines' own.
+
+Labels come from the configuration only (the tenant's name; fixed ``kind``, ``limit`` and the HTTP status), never
+from anything a client sends; every configured tenant's series exist from the start: 0 is an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from appliance.gateway import migration
+from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
+from appliance.gateway.tenants.quota import LIMITS
+
+KINDS = ("prompt", "completion", "cached_prompt")  # appliance_tenant_tokens_total's ``kind``
+STARTING_CODES = ("200", "429")  # requests series created for every tenant up front (others appear when seen)
+
+
+@dataclass
+class Usage:
+    """Tokens of one engine usage report."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached_prompt: int = 0
+
+    @classmethod
+    def of(cls, usage: Any) -> Usage | None:
+        """From an OpenAI ``usage`` object; None when there is none."""
+        if not isinstance(usage, dict):
+            return None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.prompt + other.prompt, self.completion + other.completion,
+                     self.cached_prompt + other.cached_prompt)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+@dataclass
+class _Tally:
+    """The summary's numbers for one tenant (the counters' values, kept plainly for ``summary``)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    rate_limited: int = 0
+
+
+class TenantAccounting:
+    """The per-tenant metrics of the request path. ``appliance_tenant_in_flight_requests`` and
+    ``appliance_tenant_queued_requests`` are admission's state, read at scrape in ``gateway/fleet_metrics.py``."""
+
+    def __init__(self, registry: CollectorRegistry, *, slo_ttft_seconds: float,
+                 ratios: Callable[[], Iterable[tuple[str, str, float]]] = lambda: ()) -> None:
+        self.requests = Counter("appliance_tenant_requests", "Requests answered by the gateway, by tenant and HTTP "
+                                "status.", ["tenant", "code"], registry=registry)
+        self.tokens = Counter("appliance_tenant_tokens", "Tokens the engines reported in their usage, by tenant and "
+                              "kind (prompt, completion, cached_prompt: prompt tokens served from the prefix "
+                              "cache).", ["tenant", "kind"], registry=registry)
+        self.ttft = Histogram("appliance_tenant_ttft_seconds", "Time to first token as the client sees it "
+                              "(streamed requests), by tenant.", ["tenant"],
+                              buckets=buckets_with(LATENCY_BUCKETS, [slo_ttft_seconds]), registry=registry)
+        self.queue_wait = Histogram("appliance_tenant_queue_wait_seconds", "Time a request waited in the "
+                                    "gateway's admission queue, by tenant.", ["tenant"],
+                                    buckets=buckets_with(LATENCY_BUCKETS, [0.001]), registry=registry)
+        self.rate_limited = Counter("appliance_tenant_rate_limited", "Requests answered 429 because the tenant's "
+                                    "quota was spent, by tenant and limit (tokens, requests).", ["tenant", "limit"],
+                                    registry=registry)
+        registry.register(_QuotaCollector(ratios))
+        self._tallies: dict[str, _Tally] = {}
+
+    def configure(self, names: Iterable[str]) -> None:
+        """Create every configured tenant's series (start, reload). A removed tenant's series stay: counters that
+        vanished would read as a reset."""
+        for name in names:
+            self._tally(name)
+            for code in STARTING_CODES:
+                self.requests.labels(name, code)
+            for kind in KINDS:
+                self.tokens.labels(name, kind)
+            for limit in LIMITS:
+                self.rate_limited.labels(name, limit)
+            self.ttft.labels(name)
+            self.queue_wait.labels(name)
+
+    def _tally(self, name: str) -> _Tally:
+        tally = self._tallies.get(name)
+        if tally is None:
+            tally = self._tallies[name] = _Tally()
+        return tally
+
+    def answered(self, tenant: str, status: int) -> None:
+        self.requests.labels(tenant, str(status)).inc()
+        self._tally(tenant).requests += 1
+
+    def used(self, tenant: str, usage: Usage) -> None:
+        tally = self._tally(tenant)
+        for kind, value in (("prompt", usage.prompt), ("completion", usage.completion),
+                            ("cached_prompt", usage.cached_prompt)):
+            if value:
+                self.tokens.labels(tenant, kind).inc(value)
+        tally.prompt_tokens += usage.prompt
+        tally.completion_tokens += usage.completion
+        tally.cached_prompt_tokens += usage.cached_prompt
+
+    def limited(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(tenant, limit).inc()
+        self._tally(tenant).rate_limited += 1
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Each tenant's totals since start, the heaviest (prompt + completion tokens) first."""
+        rows = [{"tenant": name, **{f.name: getattr(tally, f.name) for f in fields(_Tally)}}
+                for name, tally in self._tallies.items()]
+        rows.sort(key=lambda row: (-(row["prompt_tokens"] + row["completion_tokens"]), row["tenant"]))
+        return rows
+
+
+class _QuotaCollector(Collector):
+    """``appliance_tenant_quota_remaining_ratio``, read from the live buckets at scrape time (only tenants with
+    that quota; a bucket in debt reads below 0)."""
+
+    def __init__(self, ratios: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        self._ratios = ratios
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily("appliance_tenant_quota_remaining_ratio", "Level of each tenant's quota bucket "
+                                  "over its capacity (one minute's worth): 1 full, 0 spent, below 0 in debt.",
+                                  labels=["tenant", "limit"])
+        for tenant, limit, ratio in self._ratios():
+            gauge.add_metric([tenant, limit], ratio)
+        yield gauge
+
+
+# -- usage on streams -----------------------------------------------------------------------------------------------
+
+# A quote inside a JSON string is escaped, so neither can match inside generated text.
+FINISH = re.compile(rb'"finish_reason": ?"')  # a chunk that ends a choice
+USAGE = b'"usage"'  # a chunk that may carry usage (parsed to be sure)
+
+
+def ask_for_usage(body: bytes, parsed: dict[str, Any]) -> bytes | None:
+    """A streaming request's bytes asking the engine for the final usage event too; None when the client asked for
+    it itself (nothing to change). Its other stream options are kept, except ``continuous_usage_stats`` (usage on
+    every chunk, which the client did not ask for either). The key is appended: the last one wins in vLLM's
+    parser, as for ``migration.with_token_ids``."""
+    options = parsed.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    if options.get("include_usage"):
+        return None
+    wanted = {**options, "include_usage": True, "continuous_usage_stats": False}
+    end = body.rstrip().rfind(b"}")
+    head = body[:end].rstrip()
+    separator = b"" if head.endswith(b"{") else b","
+    return head + separator + b'"stream_options":' + json.dumps(wanted, separators=(",", ":")).encode() + b"}"
+
+
+def final_usage(event: bytes) -> dict[str, Any] | None:
+    """The usage of a stream's final usage event (``"choices": []`` with ``usage``), None for any other event
+    (continuous usage stats on content chunks are running totals, not counted)."""
+    if USAGE not in event:
+        return None
+    data = migration.payload(event)
+    try:
+        obj = json.loads(data) if data else None
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("choices") or not isinstance(obj.get("usage"), dict):
+        return None
+    return obj
+
+
+def split_events(data: bytes) -> Iterator[bytes]:
+    """Whole events (``...\n\n``) of bytes made of whole events."""
+    start = 0
+    while (end := data.find(b"\n\n", start)) >= 0:
+        yield data[start:end + 2]
+        start = end + 2
+    if start < len(data):
+        yield data[start:]
+
+
+class HiddenUsage:
+    """Hides the usage event the gateway asked for, so the client's bytes are those it would have had without it.
+
+    vLLM puts ``system_fingerprint`` on a stream's finishing chunk when no usage event follows, and on the usage
+    event when one does. So a finishing chunk (and whatever follows it) is held until the usage event comes; the
+    fingerprint moves onto the finishing chunks (as their last key, where vLLM writes it), the usage event is
+    dropped. Fed whole events; returns the bytes to send now. ``flush`` gives back what is held (the stream ended
+    or broke without a usage event)."""
+
+    def __init__(self) -> None:
+        self._held: list[bytes] = []
+        self.usage: dict[str, Any] | None = None  # the last usage event's usage (the engine's report)
+
+    def feed(self, events: bytes) -> bytes:
+        out = b""
+        for event in split_events(events):
+            final = final_usage(event)
+            if final is not None:
+                self.usage = final["usage"]
+                fingerprint = final.get("system_fingerprint")
+                out += b"".join(_with_fingerprint(held, fingerprint) for held in self._held)
+                self._held = []
+            elif self._held or FINISH.search(event):
+                if event == migration.DONE:
+                    out += self.flush() + event
+                else:
+                    self._held.append(event)
+            else:
+                out += event
+        return out
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, []
+        return b"".join(held)
+
+
+def _with_fingerprint(event: bytes, fingerprint: Any) -> bytes:
+    if not isinstance(fingerprint, str) or not FINISH.search(event) or b'"system_fingerprint"' in event:
+        return event
+    body = event.rstrip(b"\n")
+    if not body.endswith(b"}"):
+        return event
+    return body[:-1] + b',"system_fingerprint":' + json.dumps(fingerprint).encode() + b"}\n\n"

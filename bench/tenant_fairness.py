@@ -1,0 +1,223 @@
+"""Fair share between tenants (issue 23): a victim tenant's TTFT while another tenant floods, FIFO vs fair share.
+
+One real vLLM replica (the CPU build, the demo model) and two gateways in front of it, identical but for
+``admission.fair_share`` (the appliance's own gateway: on; a second one routing to the same engine by URL: off),
+both with two tenants from APPLIANCE_TENANTS. In one run, one phase at a time:
+
+1. ``alone``: the victim (``--victim-concurrency`` clients, ``--victim-tokens``-token streams) with nobody else.
+2. ``flood, FIFO``: the aggressor floods (``--aggressor-concurrency`` clients of ``--aggressor-tokens``-token
+   streams) through the FIFO gateway; once its flood is running, the victim runs again through the same gateway.
+3. ``flood, fair share``: the same through the fair-share gateway.
+
+It prints the victim's TTFT p50/p90 per phase with ratios to alone, and the aggressor's tokens/s during each flood
+phase (what it still gets). A phase runs the victim for ``--phase-seconds`` and then waits for its last requests'
+first tokens (so slow answers count, they are not cut off). Numbers, never assertions.
+
+Settings, as an SRE would set them for this replica (each a flag):
+- ``engine.max_num_seqs`` 8, and the admission limit pinned to it (initial = min = max): on one CPU core a batch
+  beyond a handful of sequences stretches every step, so the gateway, not the engine, should hold the rest of a
+  flood, in an order it chooses. Pinned so that the AIMD limit's own reaction to the flood does not blur the
+  comparison (it would cut both paths' limit alike).
+- ``admission.queue_timeout_seconds`` 300: the FIFO path must answer late rather than 429, or its victim TTFT
+  would be a count of refusals.
+- ``admission.share_window_seconds`` 2 (the default): the victim's clients send their next request within
+  milliseconds of the last one's end; its share stays free for it meanwhile instead of going to the flood.
+
+    .venv/bin/python bench/tenant_fairness.py [--phase-seconds 60] [--max-num-seqs 8] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from appliance.cli.serve import ensure_demo_model  # noqa: E402
+from appliance.loadtest.client import RequestResult, build_body, monotonic_clock, stream_request  # noqa: E402
+from appliance.loadtest.stats import percentile  # noqa: E402
+from bench.gateway_overhead import split_cores, start, stop, wait_ok  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = {"victim": "victim-key-0123456789", "aggressor": "aggressor-key-0123456789"}
+_WORD_TEXT = ("the of and to in is was that for on as with by at from this be or has had not but one all their there "
+              "been its more when who will would can them time into only some other than then could these two")
+WORDS = tuple(_WORD_TEXT.split(" "))
+
+
+def demo_model(models_dir: str | None) -> Path:
+    """``--model`` if given; else a demo model the tests already built (var/test-cache), else build one."""
+    if models_dir:
+        return Path(models_dir)
+    built = sorted((REPO / "var" / "test-cache").glob("models-*/demo-int8/config.json"),
+                   key=lambda path: path.stat().st_mtime)
+    return built[-1].parent if built else ensure_demo_model(REPO / "var" / "models")
+
+
+def prompt(index: int, words: int) -> str:
+    """A distinct prompt of about ``words`` words (distinct so the prefix cache does not answer it)."""
+    return f"Request {index}. " + " ".join(WORDS[(index * 7 + i * 3) % len(WORDS)] for i in range(words))
+
+
+@dataclass
+class Tally:
+    results: list[RequestResult] = field(default_factory=list)
+
+
+async def client_loop(session: aiohttp.ClientSession, url: str, tenant: str, tokens: int, tally: Tally,
+                      stop_at: float | None, clock, counter: list[int]) -> None:
+    """One closed-loop client: a request, then the next as soon as it ends, until ``stop_at`` (None: until
+    cancelled)."""
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    while stop_at is None or clock() < stop_at:
+        counter[0] += 1
+        body = build_body("demo", {"prompt": prompt(counter[0], 48)}, tokens, ignore_eos=True)
+        result = RequestResult(index=counter[0], phase="measure", intended=clock())
+        tally.results.append(result)
+        await stream_request(session, url + "/v1/completions", body, result, clock, timeout=900, headers=headers)
+
+
+def ttfts(tally: Tally) -> list[float]:
+    return [r.first_token - r.sent for r in tally.results if r.ok and r.first_token is not None]
+
+
+def tokens_between(tally: Tally, start: float, end: float) -> int:
+    return sum(1 for r in tally.results for t in r.chunk_times if start <= t <= end)
+
+
+async def engine_idle(engine_url: str, timeout: float = 120) -> None:
+    """Wait until the engine runs and queues nothing (the previous phase's streams were aborted)."""
+    pattern = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} ([0-9.e+]+)$", re.M)
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as http:
+        while time.monotonic() < deadline:
+            text = (await http.get(engine_url + "/metrics")).text
+            if sum(float(value) for _, value in pattern.findall(text)) == 0:
+                return
+            await asyncio.sleep(0.5)
+    print(f"warning: the engine was still busy after {timeout:.0f}s", flush=True)
+
+
+async def phase(url: str, args: argparse.Namespace, *, flood: bool) -> dict:
+    """The victim for ``--phase-seconds`` (after the flood's ramp when ``flood``); its TTFTs and the aggressor's
+    tokens/s over the victim's window."""
+    clock = monotonic_clock()
+    counter = [0]
+    victim, aggressor = Tally(), Tally()
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=limits) as session:
+        flooding = [asyncio.create_task(client_loop(session, url, "aggressor", args.aggressor_tokens, aggressor,
+                                                    None, clock, counter))
+                    for _ in range(args.aggressor_concurrency if flood else 0)]
+        if flood:
+            await asyncio.sleep(args.ramp_seconds)
+        start_at = clock()
+        await asyncio.gather(*(client_loop(session, url, "victim", args.victim_tokens, victim,
+                                           start_at + args.phase_seconds, clock, counter)
+                               for _ in range(args.victim_concurrency)))
+        end_at = clock()
+        for task in flooding:
+            task.cancel()
+        await asyncio.gather(*flooding, return_exceptions=True)
+    times = ttfts(victim)
+    errors = [r.error for r in victim.results if not r.ok]
+    return {"n": len(times), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "p50": percentile(times, 50), "p90": percentile(times, 90),
+            "aggressor_tok_s": tokens_between(aggressor, start_at, end_at) / (end_at - start_at) if flood else None,
+            "aggressor_errors": sum(1 for r in aggressor.results if r.error and "Cancelled" not in r.error),
+            "seconds": end_at - start_at}
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    alone = results["alone"]
+    print(f"\nvictim: {args.victim_concurrency} clients x {args.victim_tokens}-token streams; aggressor: "
+          f"{args.aggressor_concurrency} clients x {args.aggressor_tokens}-token streams; one replica, "
+          f"max_num_seqs = admission limit = {args.max_num_seqs}")
+    print(f"{'phase':<19} {'n':>4} {'err':>4} {'TTFT p50 ms':>11} {'p90 ms':>8} {'p50 x alone':>11} "
+          f"{'p90 x alone':>11} {'aggressor tok/s':>15}")
+    for name, r in results.items():
+        ratios = [f"{r[key] / alone[key]:.2f}" if r[key] is not None and alone[key] else "-" for key in ("p50", "p90")]
+        p50, p90 = (f"{1000 * r[key]:.0f}" if r[key] is not None else "-" for key in ("p50", "p90"))
+        tok = f"{r['aggressor_tok_s']:.1f}" if r["aggressor_tok_s"] is not None else "-"
+        print(f"{name:<19} {r['n']:>4} {r['errors']:>4} {p50:>11} {p90:>8} {ratios[0]:>11} {ratios[1]:>11} {tok:>15}")
+        if r["first_error"]:
+            print(f"  first victim error: {r['first_error']}")
+    print("goal: victim TTFT p90 within 1.2x of alone with fair share")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phase-seconds", type=float, default=60, help="victim run per phase (default 60)")
+    parser.add_argument("--ramp-seconds", type=float, default=8, help="flood before the victim starts (default 8)")
+    parser.add_argument("--victim-concurrency", type=int, default=2)
+    parser.add_argument("--victim-tokens", type=int, default=32)
+    parser.add_argument("--aggressor-concurrency", type=int, default=16)
+    parser.add_argument("--aggressor-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="engine batch and admission limit (default 8)")
+    parser.add_argument("--queue-timeout", type=float, default=300)
+    parser.add_argument("--share-window", type=float, default=2.0)
+    parser.add_argument("--base-port", type=int, default=18600)
+    parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
+    args = parser.parse_args()
+
+    model = demo_model(args.model)
+    state = Path(tempfile.mkdtemp(prefix="bench-tenants-"))
+    engine_port, fair_port, fifo_port = args.base_port, args.base_port + 10, args.base_port + 11
+    tenants = [{"name": name, "api_keys": [key]} for name, key in KEYS.items()]
+    limit = str(args.max_num_seqs)
+    common = {"APPLIANCE_STATE_DIR": str(state), "APPLIANCE_TENANTS": json.dumps(tenants),
+              "APPLIANCE_ENGINE__MAX_NUM_SEQS": limit, "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
+              "APPLIANCE_ADMISSION__INITIAL_LIMIT": limit, "APPLIANCE_ADMISSION__MIN_LIMIT": limit,
+              "APPLIANCE_ADMISSION__MAX_LIMIT": limit,
+              "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.queue_timeout),
+              "APPLIANCE_ADMISSION__SHARE_WINDOW_SECONDS": str(args.share_window),
+              "APPLIANCE_REQUEST_TIMEOUT_SECONDS": "900"}
+    engine_cores, other_cores = split_cores()
+    started = time.monotonic()
+    fair = start([sys.executable, "-m", "appliance.cli", "serve"],
+                 {**common, "APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo",
+                  "APPLIANCE_PORT": str(fair_port), "APPLIANCE_ENGINE_BASE_PORT": str(engine_port),
+                  "APPLIANCE_ADMISSION__FAIR_SHARE": "true"}, state / "fair.log", engine_cores)
+    procs = [fair]
+    try:
+        wait_ok(f"http://127.0.0.1:{fair_port}/health/ready", fair)
+        os.sched_setaffinity(fair.pid, other_cores)  # the gateways and the clients off the engine's core
+        os.sched_setaffinity(0, other_cores)
+        fifo = start([sys.executable, "-m", "appliance.cli", "serve"],
+                     {**common, "APPLIANCE_ENGINE_URLS": f"http://127.0.0.1:{engine_port}",
+                      "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(fifo_port),
+                      "APPLIANCE_ADMISSION__FAIR_SHARE": "false"}, state / "fifo.log", other_cores)
+        procs.append(fifo)
+        wait_ok(f"http://127.0.0.1:{fifo_port}/health/ready", fifo)
+        print(f"engine and gateways ready in {time.monotonic() - started:.0f}s (model {model}, logs {state})",
+              flush=True)
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        fair_url, fifo_url = f"http://127.0.0.1:{fair_port}", f"http://127.0.0.1:{fifo_port}"
+        results: dict[str, dict] = {}
+        short = argparse.Namespace(**{**vars(args), "phase_seconds": 5})
+        asyncio.run(phase(fair_url, short, flood=False))  # warm-up, not reported
+        for name, url, flood in (("alone", fair_url, False), ("flood, FIFO", fifo_url, True),
+                                 ("flood, fair share", fair_url, True)):
+            asyncio.run(engine_idle(engine_url))
+            results[name] = asyncio.run(phase(url, args, flood=flood))
+            print(f"{name}: done ({results[name]['seconds']:.0f}s, {results[name]['n']} victim requests)", flush=True)
+        report(results, args)
+        print(f"total {time.monotonic() - started:.0f}s")
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Tenant quotas: the token bucket (refill, debt, Retry-After) with a fake clock, a property over any sequence of
+charges and refills, and the gateway's 429 answer over a stub upstream (the gateway's own logic)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from appliance.gateway.tenants.directory import Tenant
+from appliance.gateway.tenants.quota import REQUESTS, TOKENS, Quotas, TokenBucket, estimate_prompt_tokens
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_bucket_starts_full_refills_continuously_and_never_above_capacity():
+    clock = FakeClock()
+    bucket = TokenBucket(60, clock)  # one a second
+    assert bucket.level == 60 and bucket.capacity == 60
+    bucket.charge(30)
+    assert bucket.level == 30
+    clock.now += 10
+    assert bucket.level == pytest.approx(40)
+    clock.now += 3600
+    assert bucket.level == 60  # clamped at one minute's worth
+
+
+def test_a_charge_may_put_the_bucket_in_debt_and_the_debt_is_paid_by_time():
+    clock = FakeClock()
+    bucket = TokenBucket(120, clock)  # two a second
+    bucket.charge(200)
+    assert bucket.level == -80
+    assert bucket.seconds_until(0) == pytest.approx(40)
+    assert not bucket.take(1)
+    clock.now += 40
+    assert bucket.level == pytest.approx(0)
+    clock.now += 0.5
+    assert bucket.take(1)
+
+
+def test_a_refund_never_lifts_the_level_above_capacity():
+    clock = FakeClock()
+    bucket = TokenBucket(100, clock)
+    bucket.charge(10)
+    bucket.charge(-50)  # the estimate was high: the engine reported less
+    assert bucket.level == 100
+
+
+def test_a_new_rate_keeps_the_level():
+    clock = FakeClock()
+    bucket = TokenBucket(600, clock)
+    bucket.charge(700)
+    bucket.set_rate(60)
+    assert bucket.level == -100 and bucket.capacity == 60  # a tenant in debt stays in debt
+    bucket.charge(-1000)
+    assert bucket.level == 60  # and the new capacity bounds it
+
+
+OPS = st.lists(st.tuples(st.floats(min_value=0, max_value=120, allow_nan=False),
+                         st.integers(min_value=-500, max_value=2000)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(per_minute=st.integers(min_value=1, max_value=100_000), ops=OPS)
+def test_level_is_capacity_minus_charged_plus_refilled_clamped(per_minute, ops):
+    """Over any sequence of waits and charges (refunds included), the level never exceeds capacity and equals the
+    reference: capacity - charged + refilled, clamped at capacity each time it refills or is refunded."""
+    clock = FakeClock()
+    bucket = TokenBucket(per_minute, clock)
+    expected = float(per_minute)
+    for wait, charge in ops:
+        clock.now += wait
+        expected = min(per_minute, expected + wait * per_minute / 60)
+        bucket.charge(charge)
+        expected = min(per_minute, expected - charge)
+        assert bucket.level <= bucket.capacity
+        assert bucket.level == pytest.approx(expected, rel=1e-9, abs=1e-6)
+
+
+def tenant(name: str = "team-a", **quotas) -> Tenant:
+    return Tenant(name, **quotas)
+
+
+def test_admission_takes_a_request_and_charges_the_estimate():
+    clock = FakeClock()
+    quotas = Quotas([tenant(tokens_per_minute=1000, requests_per_minute=2)], clock)
+    assert quotas.admit(tenant(), 100) is None
+    assert quotas.get("team-a").tokens.level == 900
+    assert quotas.admit(tenant(), 100) is None
+    refused = quotas.admit(tenant(), 100)  # the third request in the same instant
+    assert refused is not None and refused.limit == REQUESTS and refused.per_minute == 2
+    assert refused.retry_after == 30  # half a minute to refill one request of two per minute
+    assert quotas.get("team-a").tokens.level == 800  # a refused request is not charged
+    assert "team-a" in refused.message and "2 requests per minute" in refused.message
+
+
+def test_tokens_in_debt_refuse_until_paid_with_whole_seconds_at_least_one():
+    clock = FakeClock()
+    quotas = Quotas([tenant(tokens_per_minute=60)], clock)
+    assert quotas.admit(tenant(), 10) is None
+    quotas.charge(tenant(), 100)  # the engine reported far more than the estimate
+    refused = quotas.admit(tenant(), 10)
+    assert refused is not None and refused.limit == TOKENS and refused.retry_after == 50
+    clock.now += 49.5
+    assert quotas.admit(tenant(), 10).retry_after == 1  # rounded up, never 0
+    clock.now += 0.5
+    assert quotas.admit(tenant(), 10) is None  # out of debt: admitted (and in debt again by its estimate)
+
+
+def test_tenants_without_quota_are_never_refused():
+    quotas = Quotas([tenant("free")], FakeClock())
+    for _ in range(1000):
+        assert quotas.admit(tenant("free"), 10_000) is None
+    assert quotas.ratios() == []
+
+
+def test_update_keeps_levels_drops_removed_tenants_and_starts_new_ones_full():
+    clock = FakeClock()
+    quotas = Quotas([tenant("a", tokens_per_minute=100), tenant("b", requests_per_minute=10)], clock)
+    quotas.charge(tenant("a"), 250)  # a is in debt
+    quotas.admit(tenant("b"), 1)
+    quotas.update([tenant("a", tokens_per_minute=200, requests_per_minute=5), tenant("c", tokens_per_minute=50)])
+    assert quotas.get("a").tokens.level == -150 and quotas.get("a").tokens.capacity == 200
+    assert quotas.get("a").requests.level == 5  # a new limit starts full
+    assert quotas.get("b") is None
+    assert quotas.get("c").tokens.level == 50
+    assert quotas.ratios() == [("a", TOKENS, -0.75), ("a", REQUESTS, 1.0), ("c", TOKENS, 1.0)]
+
+
+def test_prompt_estimate_is_positive():
+    assert estimate_prompt_tokens(None) == 1
+    assert estimate_prompt_tokens("") == 1
+    assert estimate_prompt_tokens("x" * 400) == 100
+
+
+# -- the gateway's answer --------------------------------------------------------------------------------------------
+
+TENANTS = [{"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1},
+           {"name": "team-b", "api_keys": ["key-b"], "tokens_per_minute": 1000}]
+
+
+def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:
+    return {tuple(sorted(s.labels.items())): s.value for metric in registry.collect() for s in metric.samples
+            if s.name == name}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_spent_quota_is_a_429_with_retry_after_and_an_openai_error(make_client, stubs, stream):
+    client = make_client(tenants=TENANTS)
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 4, "stream": stream}
+    first = client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert first.status_code == 200
+    received = sum(len(stub.received) for stub in stubs)
+    refused = client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    error = refused.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert "team-a" in error["message"] and "1 requests per minute" in error["message"]
+    assert "key-a" not in json.dumps(refused.json())
+    assert sum(len(stub.received) for stub in stubs) == received  # refused before it reached an engine
+    # the other tenant is not affected
+    other = client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-b"})
+    assert other.status_code == 200
+    registry = client.app.state.registry
+    limited = samples(registry, "appliance_tenant_rate_limited_total")
+    assert limited[(("limit", "requests"), ("tenant", "team-a"))] == 1
+    assert limited[(("limit", "tokens"), ("tenant", "team-b"))] == 0
+    answered = samples(registry, "appliance_tenant_requests_total")
+    assert answered[(("code", "429"), ("tenant", "team-a"))] == 1
+    assert answered[(("code", "200"), ("tenant", "team-a"))] == 1
+    assert answered[(("code", "429"), ("tenant", "team-b"))] == 0
+    fleet = samples(registry, "appliance_requests_total")
+    assert fleet[(("code", "429"), ("route", "completions"))] == 1
+    ratios = samples(registry, "appliance_tenant_quota_remaining_ratio")
+    assert ratios[(("limit", "requests"), ("tenant", "team-a"))] < 0.05
+    assert (("limit", "tokens"), ("tenant", "team-a")) not in ratios  # only the quotas a tenant has
+    assert ratios[(("limit", "tokens"), ("tenant", "team-b"))] < 1
