@@ -119,6 +119,15 @@ class SlowModelLoad(For):
     threshold_seconds: Positive
 
 
+class TenantTTFTBurn(For):
+    """One tenant's TTFT SLO misses against the fleet's, over one window."""
+
+    factor: Positive  # the tenant's miss ratio must exceed factor x the TTFT budget, the fleet's must not
+    window: Duration
+    min_request_rate: Number  # the tenant's streamed requests per second: an idle tenant's ratio says little
+    severity: Literal["critical", "warning"] = "warning"
+
+
 class AlertKnobs(_Model):
     """``alerts:`` in the file; field names are the alert names."""
 
@@ -141,6 +150,8 @@ class AlertKnobs(_Model):
     ApplianceSlotDrift: For
     ApplianceLatencyDrift: LatencyDrift
     ApplianceSlowModelLoad: SlowModelLoad
+    ApplianceTenantThrottled: ThresholdWindow
+    ApplianceTenantTTFTBurn: TenantTTFTBurn
 
 
 class MonitoringConfig(_Model):

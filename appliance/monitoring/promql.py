@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-DEFAULT_VARIABLES: Mapping[str, str] = {"replica": ".*", "model": ".*"}
+DEFAULT_VARIABLES: Mapping[str, str] = {"replica": ".*", "model": ".*", "tenant": ".*"}
 
 # Words that look like metric names but are PromQL syntax.
 KEYWORDS = frozenset({

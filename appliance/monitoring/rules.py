@@ -364,6 +364,7 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
         summary="Replica {{ $labels.replica }} took long to load its model.",
         description="The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to "
                     f"ready (threshold {c.threshold_seconds}s): every restart costs that much capacity."))
+    out += _tenant_alerts(config)
     out.append(Alert(
         "Watchdog", "vector(1)", "none",
         summary="Always firing: proves the alerting pipeline works end to end.",
@@ -371,6 +372,48 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
                     "Alertmanager or the path between them is broken."))
 
     return [replace(a, labels={**a.labels, "remediation": "auto"}) if a.name in auto else a for a in out]
+
+
+def _tenant_alerts(config: MonitoringConfig) -> list[Alert]:
+    """The tenants' two alerts (docs/tenants.md). Each tenant's series come from every gateway (several pods on
+    Kubernetes): summed by (job, tenant), so one alert per tenant, whichever pods it used."""
+    app = config.selectors.appliance
+    c = config.alerts.ApplianceTenantThrottled
+    throttled = Alert(
+        "ApplianceTenantThrottled",
+        f"sum by (job, tenant) (rate(appliance_tenant_rate_limited_total{{{app}}}[{c.window}]))\n/\n"
+        f"sum by (job, tenant) (rate(appliance_tenant_requests_total{{{app}}}[{c.window}]))\n> {c.threshold}\n",
+        "warning", for_=c.for_,
+        summary="Tenant {{ $labels.tenant }} is held at its quota.",
+        description="{{ $value | humanizePercentage }} of the answers to tenant {{ $labels.tenant }} over "
+                    f"{c.window} were 429 rate_limit_exceeded from its own quota (tokens_per_minute or "
+                    f"requests_per_minute), above {c.threshold * 100:g}% for {c.for_}: its quota is short of what it "
+                    "sends, or its client ignores Retry-After.")
+    b = config.alerts.ApplianceTenantTTFTBurn
+    w = b.window
+    bound = f"({b.factor} * (1 - {float(config.slos.ttft.objective)}))"
+    le = _le(config.slos.ttft.threshold_seconds)
+
+    def slow(metric: str, by: str) -> str:
+        return (f"(\n  1 - (\n    sum by ({by}) (rate({metric}_bucket{{{app},le=\"{le}\"}}[{w}]))\n    /\n"
+                f"    sum by ({by}) (rate({metric}_count{{{app}}}[{w}]))\n  )\n)")
+
+    # The tenant's miss ratio over the bound, unless the whole fleet's is over it too (then everyone is slow:
+    # ApplianceTTFTBudgetBurn's page), and only for a tenant with enough streamed requests to judge.
+    burn = Alert(
+        "ApplianceTenantTTFTBurn",
+        f"{slow('appliance_tenant_ttft_seconds', 'job, tenant')} > {bound}\n"
+        f"unless on (job)\n{slow('appliance_request_ttft_seconds', 'job')} > {bound}\n"
+        f"and on (job, tenant)\n"
+        f"sum by (job, tenant) (rate(appliance_tenant_ttft_seconds_count{{{app}}}[{w}])) > {b.min_request_rate}\n",
+        b.severity, for_=b.for_,
+        summary="Tenant {{ $labels.tenant }} misses the TTFT SLO while the fleet meets it.",
+        description="{{ $value | humanizePercentage }} of tenant {{ $labels.tenant }}'s streamed requests over "
+                    f"{w} had a time to first token over {config.slos.ttft.threshold_seconds}s, more than "
+                    f"{b.factor:g}x the budget of {round((1 - float(config.slos.ttft.objective)) * 100, 3)}%, "
+                    "while the fleet as a whole stays within that: fair share is not protecting it, or its "
+                    "prompts are much longer than the others'.")
+    return [throttled, burn]
 
 
 def alert_group(config: MonitoringConfig, items: Sequence[Alert]) -> list[dict[str, Any]]:

@@ -106,7 +106,7 @@ def test_provisioning() -> None:
 
 def test_dashboards_have_stable_uids_and_no_ids() -> None:
     assert list(BOARDS) == ["appliance-overview", "appliance-capacity", "appliance-hardware",
-                            "appliance-maintenance"]
+                            "appliance-maintenance", "appliance-tenants"]
     for uid, board in BOARDS.items():
         assert board["uid"] == uid and board.get("id") is None
         assert board["schemaVersion"] == 39
@@ -230,6 +230,10 @@ def test_the_brief_is_covered() -> None:
             "appliance_replica_spawn_failures_total",
             "appliance_maintenance_actions_total", "appliance_replica_hung",
             "appliance_maintenance_next_window_timestamp_seconds"} <= queried("appliance-maintenance")
+    assert {"appliance_tenant_requests_total", "appliance_tenant_tokens_total", "appliance_tenant_ttft_seconds_bucket",
+            "appliance_tenant_queue_wait_seconds_bucket", "appliance_tenant_rate_limited_total",
+            "appliance_tenant_quota_remaining_ratio", "appliance_tenant_in_flight_requests",
+            "appliance_tenant_queued_requests"} <= queried("appliance-tenants")
 
 
 # --- PromQL validity -------------------------------------------------------------------------------------------------

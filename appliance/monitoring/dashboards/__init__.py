@@ -1,4 +1,4 @@
-"""The Grafana dashboards, as code: panel builders and the four dashboards on-call opens.
+"""The Grafana dashboards, as code: panel builders and the dashboards on-call opens.
 
 Dashboards are generated, not hand-edited, so that every panel follows the same conventions (a datasource
 variable, ``$__rate_interval``, units and descriptions, heatmaps for histograms, rows, runbook links) and a
@@ -11,8 +11,8 @@ Panels query raw metrics rather than recording rules: a dashboard must keep work
 and Grafana's own ``$__rate_interval`` then matches the scrape interval exactly.
 
 Modules: ``panels`` (builders), ``board`` (variables, annotations, rows, layout), one module per dashboard
-(``overview``, ``capacity``, ``hardware``, ``maintenance``), ``catalogue`` (all of them by uid, as dicts) and
-``write`` (the files and ``python -m appliance.monitoring.dashboards --write|--check``).
+(``overview``, ``capacity``, ``hardware``, ``maintenance``, ``tenants``), ``catalogue`` (all of them by uid, as
+dicts) and ``write`` (the files and ``python -m appliance.monitoring.dashboards --write|--check``).
 """
 
 from appliance.monitoring.dashboards.board import DATASOURCE_UID, SCHEMA_VERSION

@@ -47,18 +47,20 @@ class Section:
     panels: Sequence[Panel]
 
 
+def label_values(name: str, label: str, metric: str) -> dict[str, Any]:
+    """A multi-value query variable listing ``label``'s values on ``metric`` (a selector included), All = ``.*``."""
+    query = f"label_values({metric}, {label})"
+    return {"allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "datasource": DS, "definition": query, "hide": 0, "includeAll": True, "label": name.capitalize(),
+            "multi": True, "name": name, "options": [],
+            "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2, "regex": "", "skipUrlSync": False, "sort": 1, "type": "query"}
+
+
 def variables(sel: Selectors) -> list[dict[str, Any]]:
     """``datasource`` (every panel's), then ``model`` and ``replica`` (multi-value, All = ``.*``). The replica
     list follows the chosen models (a chained variable), so picking a model narrows every dashboard, including
     those that show only the gateway's per-replica series."""
-    def label_values(name: str, label: str, metric: str) -> dict[str, Any]:
-        query = f"label_values({metric}, {label})"
-        return {"allValue": ".*", "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                "datasource": DS, "definition": query, "hide": 0, "includeAll": True, "label": name.capitalize(),
-                "multi": True, "name": name, "options": [],
-                "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-                "refresh": 2, "regex": "", "skipUrlSync": False, "sort": 1, "type": "query"}
-
     datasource = {"current": {"selected": False, "text": "Prometheus", "value": DATASOURCE_UID}, "hide": 0,
                   "includeAll": False, "label": "Data source", "multi": False, "name": "datasource", "options": [],
                   "query": "prometheus", "refresh": 1, "regex": "", "skipUrlSync": False, "type": "datasource"}
@@ -104,7 +106,8 @@ def layout(panels: Iterable[Panel]) -> list[Panel]:
 
 
 def dashboard(uid: str, title: str, description: str, sections: Sequence[Section], tags: Sequence[str],
-              sel: Selectors) -> dict[str, Any]:
+              sel: Selectors, extra_variables: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The envelope; ``extra_variables`` follow the shared ones (a dashboard's own, such as ``tenant``)."""
     panels = [panel for section in sections for panel in (row(section.row_id, section.title), *section.panels)]
     return {
         "annotations": {"list": annotations(sel)},
@@ -119,7 +122,7 @@ def dashboard(uid: str, title: str, description: str, sections: Sequence[Section
         "refresh": "30s",
         "schemaVersion": SCHEMA_VERSION,
         "tags": ["appliance", *tags],
-        "templating": {"list": variables(sel)},
+        "templating": {"list": [*variables(sel), *extra_variables]},
         "time": {"from": "now-1h", "to": "now"},
         "timepicker": {},
         "timezone": "utc",
