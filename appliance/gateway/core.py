@@ -44,15 +44,6 @@ class Gateway:
     accounting: TenantAccounting
     quotas: Quotas
 
-    async def open(self) -> None:
-        await self.upstream.open()
-        self.poller.start()
-
-    async def close(self) -> None:
-        await self.poller.stop()
-        await self.upstream.close()
-        self.tracer_provider.shutdown()
-
     def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str]) -> None:
         """A new tenant configuration, applied at once (``appliance reload``): keys, priorities, weights and quota
         rates; every bucket's level is kept."""

@@ -157,12 +157,6 @@ class PrefixScorer:
         self.yields += yielded
         return out
 
-    def match_of(self, replica: Replica, request: RoutingRequest) -> float:
-        hashes = request.hashes(self.block_chars)
-        if not hashes:
-            return 0.0
-        return self.index.matched_blocks(replica.name, hashes) * self.block_chars / len(request.prompt)
-
     def chosen(self, replica: Replica, request: RoutingRequest | None) -> None:
         if request is not None and request.prompt:
             self.index.record(replica.name, request.hashes(self.block_chars))
