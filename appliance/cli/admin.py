@@ -12,7 +12,7 @@ from appliance.exit_codes import EXIT_USAGE
 
 
 def register(sub: Any) -> None:
-    p = add_command(sub, "status", "replicas, state, load, KV usage, restarts (admin API)", cmd_status)
+    p = add_command(sub, "status", "replicas, state, load, KV usage, restarts, tenants (admin API)", cmd_status)
     _admin_flags(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON")
 
@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
     p.add_argument("replica", nargs="?", help="e.g. replica-0")
     p.add_argument("--rolling", action="store_true", help="restart every replica, one at a time (a rolling restart)")
 
-    p = add_command(sub, "reload", "re-read the configuration given at start; roll replicas onto new engine settings",
+    p = add_command(sub, "reload", "re-read the configuration given at start: tenants and keys apply at once, engine "
+                    "settings by a rolling restart",
                     cmd_reload, description="Re-reads the configuration file and environment the appliance was "
                     "started with, validates them, and restarts the replicas one at a time onto the new engine.* "
                     "settings; tenants and API keys apply at once, without a restart (quota levels kept). Changes "
