@@ -14,7 +14,8 @@ What the harness adds to a plain ``podman system service``, each for a reason fo
 - cleanup of what netavark changes on the host: it turns on ip_forward and leaves NETAVARK iptables chains.
 
 Images are built once and reused: podman's storage persists on the machine, and each image carries a label with
-the hash of its inputs, so a run rebuilds only what changed.
+the hash of its inputs, so a run rebuilds only what changed. What a rebuild leaves untagged is pruned afterwards
+(Podman.prune_images), or the store grows by gigabytes with each change of the code.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 INPUTS_LABEL = "appliance.test.inputs"
+# The image IDs in `podman build` output: "--> Using cache <id>", "--> <short id>", and the final full ID alone.
+BUILD_LAYER = re.compile(r"^(?:--> (?:Using cache )?)?([0-9a-f]{12}|[0-9a-f]{64})\s*$", re.MULTILINE)
 BASE_IMAGE = "localhost/appliance-test/debian:bookworm"
 CONTAINERS_CONF = """\
 [containers]
@@ -240,7 +243,35 @@ class Podman:
                                     stderr=subprocess.STDOUT, timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"podman build {tag} failed: {log.read_text()[-4000:]}")
+        self.remember_layers(tag, log.read_text())
         return True
+
+    def remember_layers(self, tag: str, build_output: str) -> None:
+        """Record the images ``tag``'s latest build made or reused, which prune_images keeps."""
+        used = sorted(set(BUILD_LAYER.findall(build_output)))
+        (self.workdir / f"layers-{re.sub(r'[^a-z0-9]+', '-', tag)}.ids").write_text("\n".join(used) + "\n")
+
+    def prune_images(self) -> int:
+        """Remove the untagged images that no tag's latest build used; the number removed.
+
+        Every build that changes inputs leaves the previous image of its tag, and the stages it built, untagged:
+        about 9 GB for appliance:cpu. Left there, they filled a CI machine's disk within a day of builds ("no space
+        left on device" in COPY --from=engine-venv). The layers a tag's latest build used (its log's ``-->`` lines,
+        kept in layers-<tag>.ids) stay, so an unchanged engine stage is still a cache hit; the rest goes, in passes,
+        since removing an image can leave its parent untagged and childless."""
+        keep = set()
+        for ids in self.workdir.glob("layers-*.ids"):
+            keep.update(ids.read_text().split())
+        removed = 0
+        for _ in range(20):
+            listed = self("images", "-q", "--no-trunc", "--filter", "dangling=true", check=False, timeout=300)
+            doomed = [image.removeprefix("sha256:") for image in dict.fromkeys(listed.stdout.split())]
+            doomed = [image for image in doomed if not any(image.startswith(k) for k in keep)]
+            if not doomed:
+                break
+            self("rmi", *doomed, check=False, timeout=1800)
+            removed += len(doomed)
+        return removed
 
     def ensure_base_image(self, cache: Path) -> bool:
         """A minimal Debian bookworm image from debootstrap (no registry here); True when it built one."""

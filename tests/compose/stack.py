@@ -77,6 +77,9 @@ def build_images(podman: Podman, cache: Path, timings: Timings) -> None:
         podman.build(compose[service]["image"], IMAGES, inputs_hash([dockerfile], extra=BASE_IMAGE),
                      dockerfile=dockerfile, args={"BASE_IMAGE": BASE_IMAGE})
     timings.record("monitoring stand-in images", started)
+    started = time.monotonic()
+    podman.prune_images()
+    timings.record("prune", started)
 
 
 @dataclass

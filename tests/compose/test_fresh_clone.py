@@ -132,6 +132,7 @@ def fresh() -> Iterator[FreshMachine]:
         dockerfile = IMAGES / "fresh-machine.Dockerfile"
         podman.build(IMAGE, IMAGES, inputs_hash([dockerfile], extra=BASE_IMAGE + packages), dockerfile=dockerfile,
                      args={"BASE_IMAGE": BASE_IMAGE, "PACKAGES": packages}, timeout=1800)
+        podman.prune_images()
         timings.record(f"fresh-machine image ({packages})", started)
         machine = FreshMachine(podman, cache / "fresh", timings)
         try:
