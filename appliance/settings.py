@@ -26,7 +26,14 @@ from pydantic_settings import (
 from appliance.collectors.settings import CollectorSettings
 from appliance.gateway.tenants.settings import TenantSettings, check_tenants
 from appliance.maintenance.settings import MaintenanceSettings
-from appliance.model.shape import ShapeError, max_model_len_from_config, read_config
+from appliance.model.shape import (
+    KvCacheDtype,
+    ShapeError,
+    kv_cache_dtype_bytes,
+    max_model_len_from_config,
+    read_config,
+)
+from appliance.monitoring.config import ttft_slo_seconds
 from appliance.monitoring.settings import MonitoringSettings
 from appliance.secret_files import SECRET_PAIRS, resolve_secrets
 
@@ -66,7 +73,7 @@ class EngineSettings(BaseModel):
     quantization: str | None = Field(
         None, description="vLLM --quantization; unset lets vLLM read it from the checkpoint (compressed-tensors)."
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+    kv_cache_dtype: KvCacheDtype = Field(
         "auto", description="vLLM --kv-cache-dtype: auto keeps K/V in the model's dtype; fp8 (= fp8_e4m3) and "
         "fp8_e5m2 halve the KV cache's bytes per token, so the same space holds twice the tokens. Without "
         "k/v scales in the checkpoint vLLM uses scale 1.0."
@@ -369,7 +376,11 @@ class Settings(BaseSettings):
         "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
     )
     metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
-    slo_ttft_p95_seconds: float = Field(0.8, gt=0, description="Time-to-first-token SLO at P95.")
+    slo_ttft_p95_seconds: float = Field(
+        default_factory=ttft_slo_seconds, gt=0, description="Time-to-first-token SLO at P95, which admission "
+        "control aims at. Default: slos.ttft.threshold_seconds of alerts/config.yaml (0.8 as shipped), the SLO the "
+        "alerts page on; set it here only to aim admission elsewhere than the pages."
+    )
     drain_timeout_seconds: float = Field(
         120, gt=0, description="On SIGTERM, how long in-flight requests may run before engines stop."
     )
@@ -503,9 +514,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _collectors_know_the_kv_dtype(self) -> Settings:
         """An fp8 KV cache stores one byte per element: the roofline's KV bytes per token follow the engine's
-        setting unless the operator set collectors.kv_cache_dtype_bytes."""
+        setting (its width from model/shape.py, the one table of dtype widths) unless the operator set
+        collectors.kv_cache_dtype_bytes. "auto" leaves it unset: the model's own dtype decides."""
         if self.engine.kv_cache_dtype != "auto" and self.collectors.kv_cache_dtype_bytes is None:
-            self.collectors = self.collectors.model_copy(update={"kv_cache_dtype_bytes": 1})
+            width = kv_cache_dtype_bytes(self.engine.kv_cache_dtype, model_dtype_bytes=0)
+            self.collectors = self.collectors.model_copy(update={"kv_cache_dtype_bytes": width})
         return self
 
     @classmethod

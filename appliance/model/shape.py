@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 # Bytes per element, under Hugging Face's torch_dtype names, the planner's short names and vLLM's
 # --kv-cache-dtype names.
@@ -24,8 +24,9 @@ DTYPE_BYTES = {
     "int8": 1,
 }  # fmt: skip
 # vLLM's --kv-cache-dtype values the appliance supports (CPU and CUDA attention both take these); "auto"
-# stores K and V in the model's activation dtype.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# stores K and V in the model's activation dtype. The one list: engine.kv_cache_dtype is typed by it.
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
 class ShapeError(ValueError):

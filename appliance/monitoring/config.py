@@ -11,6 +11,7 @@ checked by its consumer, :func:`appliance.monitoring.rules.validate_config`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
@@ -207,6 +208,23 @@ def load_config(path: Path = CONFIG_PATH) -> MonitoringConfig:
         raise MonitoringConfigError(f"monitoring config {path} is not valid YAML: {' '.join(str(exc).split())}") \
             from None
     return parse_config(data, source=str(path))
+
+
+def ttft_slo_seconds(path: Path | None = None) -> float:
+    """slos.ttft.threshold_seconds: the TTFT SLO the alerts page on. The appliance's slo_ttft_p95_seconds (what
+    admission control aims at) takes its default from here, so the two cannot drift: one owner, read one way."""
+    path = path or CONFIG_PATH
+    try:
+        version = path.stat().st_mtime_ns
+    except OSError:
+        return float(load_config(path).slos.ttft.threshold_seconds)  # raises, naming the file
+    return _ttft_threshold(path, version)
+
+
+@functools.lru_cache(maxsize=8)
+def _ttft_threshold(path: Path, version: int) -> float:
+    """One read per version of the file: Settings are built often (every reload, every CLI command, tests)."""
+    return float(load_config(path).slos.ttft.threshold_seconds)
 
 
 def parse_config(data: object, *, source: str = "monitoring config") -> MonitoringConfig:

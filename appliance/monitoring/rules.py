@@ -28,12 +28,10 @@ from appliance.gateway.metrics import LATENCY_BUCKETS
 from appliance.monitoring import files
 from appliance.monitoring.config import (
     ALERTS_DIR,
-    CONFIG_PATH,
     MonitoringConfig,
     MonitoringConfigError,
     parse_config,
 )
-from appliance.monitoring.config import load_config as load_typed_config
 
 RECORDING_FILE = "recording.rules.yaml"
 ALERTING_FILE = "alerts.rules.yaml"
@@ -51,13 +49,6 @@ class Alert:
     description: str
     for_: str = "0m"
     labels: Mapping[str, str] = field(default_factory=dict)
-
-
-def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
-    """alerts/config.yaml as a plain, validated mapping, for callers that derive a variant of it (a test that
-    shortens a ``for:``) and hand it back to :func:`render`. Everything else reads the typed config
-    (:func:`appliance.monitoring.config.load_config`)."""
-    return validate_config(load_typed_config(path)).model_dump(by_alias=True)
 
 
 def validate_config(config: MonitoringConfig | Mapping[str, Any]) -> MonitoringConfig:
@@ -185,15 +176,22 @@ def _burn_detail(config: MonitoringConfig, slo: str) -> str:
     return f"streamed requests had a time to first token over {config.slos.ttft.threshold_seconds}s"
 
 
-def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one place that lists every alert
-    app = config.selectors.appliance
-    vllm = config.selectors.vllm
-    knobs = config.alerts
-    auto = set(config.auto_remediated)
-    by = "job, instance, replica"
+def alerts(config: MonitoringConfig) -> list[Alert]:
+    """Every alert, in the order of the rule files: symptoms, causes, the watchdog. Those the config lists as
+    auto_remediated carry ``remediation: auto`` (the maintenance webhook acts on them)."""
+    return [*symptom_alerts(config), *cause_alerts(config), *meta_alerts(config)]
 
+
+def _remediation(config: MonitoringConfig, items: list[Alert]) -> list[Alert]:
+    auto = set(config.auto_remediated)
+    return [replace(a, labels={**a.labels, "remediation": "auto"}) if a.name in auto else a for a in items]
+
+
+def symptom_alerts(config: MonitoringConfig) -> list[Alert]:
+    """What users feel, and so what pages: the SLO burn rates and an appliance that is down or has no replica."""
+    app = config.selectors.appliance
+    knobs = config.alerts
     out: list[Alert] = []
-    # --- symptoms (page) ---
     out += _burn_alerts(config, "ApplianceAvailabilityBudgetBurn", "availability", "appliance_requests_errors",
                         "Availability")
     out += _burn_alerts(config, "ApplianceTTFTBudgetBurn", "ttft", "appliance_request_ttft_slow",
@@ -214,8 +212,16 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
         summary="The appliance has no ready engine replica.",
         description="No engine replica has been ready for "
                     f"{knobs.ApplianceNoReadyReplica.for_}: requests queue, then fail with 429 or 503."))
+    return _remediation(config, out)
 
-    # --- causes (ticket) ---
+
+def cause_alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one place that lists every cause
+    """Why users may soon feel something, and so tickets: replicas, KV cache, memory, queues, drift, tenants."""
+    app = config.selectors.appliance
+    vllm = config.selectors.vllm
+    knobs = config.alerts
+    by = "job, instance, replica"
+    out: list[Alert] = []
     out.append(Alert(
         "ApplianceReplicaNotReady",
         f'max by ({by}) (appliance_replica_state{{{app},state=~"starting|unhealthy|backoff"}}) == 1', "warning",
@@ -365,13 +371,16 @@ def alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one plac
         description="The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to "
                     f"ready (threshold {c.threshold_seconds}s): every restart costs that much capacity."))
     out += _tenant_alerts(config)
-    out.append(Alert(
+    return _remediation(config, out)
+
+
+def meta_alerts(config: MonitoringConfig) -> list[Alert]:
+    """About the alerting pipeline itself."""
+    return _remediation(config, [Alert(
         "Watchdog", "vector(1)", "none",
         summary="Always firing: proves the alerting pipeline works end to end.",
         description="This alert fires all the time. If the watchdog receiver stops getting it, Prometheus, "
-                    "Alertmanager or the path between them is broken."))
-
-    return [replace(a, labels={**a.labels, "remediation": "auto"}) if a.name in auto else a for a in out]
+                    "Alertmanager or the path between them is broken.")])
 
 
 def _tenant_alerts(config: MonitoringConfig) -> list[Alert]:
@@ -431,13 +440,9 @@ def alert_group(config: MonitoringConfig, items: Sequence[Alert]) -> list[dict[s
 
 def alerting_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     """The alerting rule groups: symptoms (pages), causes (tickets) and the watchdog."""
-    items = alerts(config)
-    pages = [a for a in items if a.severity == "critical" or a.name.endswith("BudgetBurn")]
-    meta = [a for a in items if a.severity == "none"]
-    causes = [a for a in items if a not in pages and a not in meta]
-    return [{"name": "appliance.symptoms", "rules": alert_group(config, pages)},
-            {"name": "appliance.causes", "rules": alert_group(config, causes)},
-            {"name": "appliance.meta", "rules": alert_group(config, meta)}]
+    return [{"name": "appliance.symptoms", "rules": alert_group(config, symptom_alerts(config))},
+            {"name": "appliance.causes", "rules": alert_group(config, cause_alerts(config))},
+            {"name": "appliance.meta", "rules": alert_group(config, meta_alerts(config))}]
 
 
 def rule_groups(config: MonitoringConfig | Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from appliance.monitoring import rules
+from appliance.monitoring.config import load_config
 from tests.integration.harness import ApplianceProcess, free_port_range
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def live_assets(root: Path) -> Path:
     """alerts/ rendered by the same generator from alerts/config.yaml with one change, the `for:` of
     ApplianceReplicaNotReady cut from minutes to seconds, so that a killed engine's alert fires and resolves
     within one engine restart (test_monitoring.py); dashboards/ as committed."""
-    config = rules.load_config()
+    config = load_config().model_dump(by_alias=True)
     config["alerts"]["ApplianceReplicaNotReady"]["for"] = "5s"
     (root / "alerts").mkdir()
     for name, text in rules.render(config).items():

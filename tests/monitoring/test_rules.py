@@ -11,7 +11,7 @@ import yaml
 
 from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.monitoring import rules
-from appliance.monitoring.config import parse_config
+from appliance.monitoring.config import load_config, parse_config
 from appliance.settings import Settings
 
 from .conftest import ALERTS, REPO
@@ -24,7 +24,7 @@ SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation")
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    return rules.load_config()
+    return load_config().model_dump(by_alias=True)
 
 
 def alert_names(alert_rules: list[dict]) -> set[str]:
@@ -68,7 +68,7 @@ def test_check_mode_fails_on_stale_files_and_passes_on_fresh(tmp_path: Path, cap
 def test_ttft_threshold_is_a_histogram_bucket(config: dict) -> None:
     """Burn-rate rules read the le="<threshold>" bucket: it must exist, or the SLI is silently empty."""
     threshold = config["slos"]["ttft"]["threshold_seconds"]
-    assert threshold in buckets_with(LATENCY_BUCKETS, [Settings.model_fields["slo_ttft_p95_seconds"].default])
+    assert threshold in buckets_with(LATENCY_BUCKETS, [Settings().slo_ttft_p95_seconds])
     assert f'le="{threshold}"' in (ALERTS / rules.RECORDING_FILE).read_text()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from appliance.monitoring import rules
-from appliance.monitoring.config import CONFIG_PATH, parse_config
+from appliance.monitoring.config import CONFIG_PATH, load_config, parse_config
 from appliance.monitoring.dashboards import build_dashboards, tenants
 from appliance.monitoring.promql import metric_names, substitute
 
@@ -83,7 +83,7 @@ def _tenant_rules(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_the_alerts_knobs_come_from_the_config() -> None:
-    raw = rules.load_config()
+    raw = load_config().model_dump(by_alias=True)
     raw["alerts"]["ApplianceTenantThrottled"] = {"threshold": 0.3, "window": "20m", "for": "1h"}
     raw["alerts"]["ApplianceTenantTTFTBurn"] = {"factor": 4, "window": "1h", "min_request_rate": 0.5,
                                                 "for": "5m", "severity": "critical"}
@@ -97,7 +97,7 @@ def test_the_alerts_knobs_come_from_the_config() -> None:
 
 
 def test_the_ttft_burn_compares_the_tenant_with_the_whole_gateway() -> None:
-    burn = _tenant_rules(rules.load_config())["ApplianceTenantTTFTBurn"]
+    burn = _tenant_rules(load_config().model_dump(by_alias=True))["ApplianceTenantTTFTBurn"]
     assert metric_names(burn["expr"]) == {
         "appliance_tenant_ttft_seconds_bucket", "appliance_tenant_ttft_seconds_count",
         "appliance_request_ttft_seconds_bucket", "appliance_request_ttft_seconds_count"}
