@@ -22,7 +22,7 @@ COMMANDS = (
     "appliance.cli.serve",
     "appliance.cli.admin",
     "appliance.cli.model",
-    "appliance.loadtest.cli",
+    "appliance.cli.loadtest",
     "appliance.monitoring.snapshot",
     "appliance.monitoring.kubernetes",
 )

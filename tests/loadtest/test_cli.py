@@ -3,28 +3,17 @@ and write their reports; a plan that cannot fit exits 1."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from appliance.loadtest.cli import register
 from tests.loadtest.stub import StubServer
+from tests.loadtest.support import run_cli
 from tests.loadtest.timing import retry_if_starved
 
 Start = Callable[..., StubServer]
-
-
-def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="appliance")
-    register(parser.add_subparsers(title="commands"))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return int(args.handler(args))
 
 
 @pytest.mark.parametrize(
@@ -143,7 +132,7 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_the_api_key_comes_from_the_gateways_variable_first(capsys: pytest.CaptureFixture[str]) -> None:
-    from appliance.loadtest.cli import api_key_from_env
+    from appliance.cli.loadtest import api_key_from_env
 
     assert api_key_from_env({"APPLIANCE_API_KEYS": " k1 , k2", "APPLIANCE_API_KEY": "old"}) == "k1"
     assert api_key_from_env({"APPLIANCE_API_KEYS": "k1", "OPENAI_API_KEY": "o"}) == "k1"
@@ -159,7 +148,7 @@ def test_the_api_key_and_metrics_token_come_from_their_files_too(tmp_path: Path,
     """Compose and Kubernetes hand the appliance its secrets as files (api_keys_file, metrics_token_file): the
     load tools read the same files, first key first, comments skipped."""
     from appliance.admin_client import metrics_token
-    from appliance.loadtest.cli import api_key_from_env
+    from appliance.cli.loadtest import api_key_from_env
 
     keys = tmp_path / "api-keys"
     keys.write_text("# team a\n\nk-file\nk2\n")

@@ -22,7 +22,7 @@ from appliance.loadtest.plan import (
     shape_from_config,
     weight_bytes,
 )
-from tests.loadtest.test_cli import run_cli
+from tests.loadtest.support import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 

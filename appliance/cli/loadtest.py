@@ -27,7 +27,7 @@ from appliance.cli.argtypes import (
     positive_float,
     positive_int,
 )
-from appliance.cli.common import HelpFormatter
+from appliance.cli.common import CLIError, HelpFormatter
 from appliance.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from appliance.loadtest.plan import KV_DTYPES  # standard library only, like the rest of the planner
 
@@ -176,11 +176,6 @@ def _add_capacity(sub: Any) -> None:
 # --- handlers -----------------------------------------------------------------------------------------------------
 
 
-def _fail(command: str, message: str, code: int) -> int:
-    print(f"appliance {command}: {message}", file=sys.stderr)
-    return code
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from appliance.loadtest.plan import PlanError, PlanInputs, load_shape, make_plan, render_plan
     from appliance.settings import ConfigError, load_settings
@@ -195,7 +190,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             max_num_seqs_cap=args.max_num_seqs_cap, typical_len=args.typical_len, context_lens=args.context_lens,
             reserve_gib=args.reserve_gib, gpu_name=args.gpu_name, os_reserve_gib=args.os_reserve_gib))
     except (PlanError, ConfigError) as exc:
-        return _fail("plan", str(exc), EXIT_USAGE)
+        raise CLIError(str(exc), EXIT_USAGE) from exc
     if args.json:
         print(json.dumps(plan.as_dict(), indent=2))
         for warning in plan.warnings:  # the text form lists them itself; JSON readers also see them on stderr
@@ -307,14 +302,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts, info = _prompts(args, target)
         run = asyncio.run(execute(target, spec, prompts, progress=args.progress, check=False))
     except (BenchError, PromptError) as exc:
-        return _fail("bench", str(exc), getattr(exc, "exit_code", EXIT_USAGE))
+        raise CLIError(str(exc), getattr(exc, "exit_code", EXIT_USAGE)) from exc
     report = bench_report(target, spec, run, _slo(args), info, args.confidence)
     try:
         from appliance.loadtest.report import write_bench_report
 
         write_bench_report(args.out, report, run.results)
     except OSError as exc:
-        return _fail("bench", f"cannot write the report to {args.out}: {exc}", EXIT_FAILED)
+        raise CLIError(f"cannot write the report to {args.out}: {exc}", EXIT_FAILED) from exc
     print(_bench_line(report, args.out))
     return bench_exit_code(report)
 
@@ -356,14 +351,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         prompts, info = _prompts(args, target)
         run = asyncio.run(run_capacity(config, prompts, log=lambda m: print(f"capacity: {m}", file=sys.stderr)))
     except (BenchError, PromptError) as exc:
-        return _fail("capacity", str(exc), getattr(exc, "exit_code", EXIT_USAGE))
+        raise CLIError(str(exc), getattr(exc, "exit_code", EXIT_USAGE)) from exc
     report = capacity_report(run, info)
     try:
         from appliance.loadtest.report import write_capacity_report
 
         write_capacity_report(args.out, report, run.rows)
     except OSError as exc:
-        return _fail("capacity", f"cannot write the report to {args.out}: {exc}", EXIT_FAILED)
+        raise CLIError(f"cannot write the report to {args.out}: {exc}", EXIT_FAILED) from exc
     result = report["result"]
     soak = f"; soak {report['soak']['verdict']}" if report.get("soak") else ""
     print(f"capacity: {result['verdict']}; max concurrency {result['max_concurrency']}{soak}; "
@@ -390,14 +385,3 @@ def capacity_report(run: CapacityRun, prompt_info: dict[str, Any]) -> dict[str, 
         "soak": run.soak,
         "exit_code": run.exit_code,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m appliance.loadtest``: the three commands without the rest of the appliance."""
-    parser = argparse.ArgumentParser(prog="appliance-loadtest", formatter_class=HelpFormatter)
-    register(parser.add_subparsers(title="commands", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.handler(args))
-    except KeyboardInterrupt:
-        return 130
