@@ -19,7 +19,7 @@ from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.placement import Placement
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.secret_files import SECRET_PAIRS
-from tests.engine.test_replica_lifecycle import FAKE_ENGINE, free_port, run, wait_for
+from tests.engine.support import FAKE_ENGINE, free_port, run, wait_for
 
 SECRET_ENV = {pair.env: f"s3cret-{pair.value}" for pair in SECRET_PAIRS} | {
     f"{pair.env}_FILE": f"/run/secrets/{pair.value}" for pair in SECRET_PAIRS} | {

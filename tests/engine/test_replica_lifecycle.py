@@ -4,10 +4,7 @@ after a stable run, giving up on a start that never turns healthy, and stopping 
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -16,14 +13,7 @@ import psutil
 from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import Placement
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
-
-FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.engine.support import FAKE_ENGINE, free_port, run, wait_for
 
 
 def spec(tmp_path: Path, *args: str, start_timeout: float = 30.0) -> ReplicaSpec:
@@ -31,21 +21,6 @@ def spec(tmp_path: Path, *args: str, start_timeout: float = 30.0) -> ReplicaSpec
     return ReplicaSpec(index=0, port=port, command=[sys.executable, FAKE_ENGINE, str(port), *args], env={},
                        placement=Placement("cpu", cores=(0,)), log_path=tmp_path / "engine-0.log",
                        start_timeout_seconds=start_timeout, stop_timeout_seconds=1.0)
-
-
-async def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-def run(scenario) -> None:
-    async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            await scenario(session)
-
-    asyncio.run(main())
 
 
 def test_ready_then_stop_leaves_no_process(tmp_path: Path) -> None:

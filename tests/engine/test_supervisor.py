@@ -14,7 +14,7 @@ from appliance.engine.placement import Placement
 from appliance.engine.replica import ReplicaSpec
 from appliance.engine.supervisor import Supervisor, build_specs
 from appliance.settings import Settings
-from tests.engine.test_replica_lifecycle import FAKE_ENGINE, free_port
+from tests.engine.support import FAKE_ENGINE, free_port
 
 
 def test_specs_get_consecutive_ports_disjoint_cores_and_their_own_logs(tmp_path: Path) -> None:

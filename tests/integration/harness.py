@@ -166,3 +166,20 @@ class ApplianceProcess:
     def log_tail(self, lines: int = 40) -> str:
         path = self.state_dir / "appliance.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+# The multi-host tests' shared world: the DNS name the gateways discover nodes by, their admin token, and the
+# discovery interval of gateways and nodes.
+NAME = "appliance-engines.appliance.test"
+ADMIN_TOKEN = "multihost-admin"
+INTERVAL = 1.0
+
+
+def wait_until(predicate, timeout: float, step: float = 0.1) -> float:
+    """Seconds until ``predicate()`` held; raises after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError("condition not met")
+        time.sleep(step)
+    return time.monotonic() - started

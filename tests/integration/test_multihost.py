@@ -19,13 +19,9 @@ import httpx
 import pytest
 
 from tests.engine.dns_server import TestDNSServer
-from tests.integration.harness import ApplianceProcess, free_port_range
+from tests.integration.harness import ADMIN_TOKEN, INTERVAL, NAME, ApplianceProcess, free_port_range, wait_until
 
 pytestmark = pytest.mark.engine
-
-NAME = "appliance-engines.appliance.test"
-ADMIN_TOKEN = "multihost-admin"
-INTERVAL = 1.0  # discovery.interval_seconds of gateways and nodes
 
 
 @dataclass
@@ -94,16 +90,6 @@ def replica_names(gateway: ApplianceProcess) -> set[str]:
         return {r["name"] for r in response.json()["replicas"]}
     except (httpx.HTTPError, ValueError, KeyError):
         return set()
-
-
-def wait_until(predicate, timeout: float, step: float = 0.1) -> float:
-    """Seconds until ``predicate()`` held; raises after ``timeout``."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError("condition not met")
-        time.sleep(step)
-    return time.monotonic() - started
 
 
 def test_gateways_follow_nodes_through_dns(demo_model_int8, tmp_path):

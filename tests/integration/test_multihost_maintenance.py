@@ -18,8 +18,7 @@ import httpx
 import pytest
 
 from tests.engine.dns_server import TestDNSServer
-from tests.integration.harness import ApplianceProcess, free_port_range
-from tests.integration.test_multihost import ADMIN_TOKEN, INTERVAL, NAME, wait_until
+from tests.integration.harness import ADMIN_TOKEN, INTERVAL, NAME, ApplianceProcess, free_port_range, wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from appliance.settings import Settings
-from tests.kubernetes.test_manifests import DEPLOY, render, validate
+from tests.kubernetes.manifests import DEPLOY, render, validate
 
 kubectl = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed")
@@ -469,7 +469,6 @@ def test_gateway_pods_stay_in_the_service_without_engines(rendered):
         probes = {component(w): pod_of(w)["containers"][0]["readinessProbe"]["httpGet"]["path"]
                   for w in workloads(rendered[overlay])}
         assert probes == {"gateway": "/health/serving", "node": "/health/ready"}
-
 
 
 def test_the_optional_monitoring_egress_admits_exactly_what_prometheus_and_alertmanager_need(rendered):

@@ -9,7 +9,6 @@ import copy
 import os
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,59 +16,17 @@ import yaml
 
 from appliance.monitoring import kubernetes as k8s
 from appliance.settings import Settings
+from tests.kubernetes.manifests import DEPLOY, ROOT, kubectl, render, validate
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "base", "monitoring", "autoscaling", "monitoring-egress"]
-KUBERNETES_VERSION = "1.32.0"
 
-kubectl = shutil.which("kubectl")
 promtool = shutil.which("promtool")
 needs_kubectl = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed")
-
-
-class _Loader(yaml.SafeLoader):
-    """kubectl writes `matchType: =` unquoted; YAML 1.1's `=` (value) tag is just that string here."""
-
-
-_Loader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
-
-
-def render(path: str) -> list[dict[str, Any]]:
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / path)], check=True, capture_output=True, text=True)
-    return [doc for doc in yaml.load_all(out.stdout, Loader=_Loader) if doc]
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict[str, Any]]]:
     return {path: render(path) for path in OVERLAYS}
-
-
-def crd_model(obj: dict[str, Any]):
-    from cloudcoil.models.keda import v1alpha1 as keda
-    from cloudcoil.models.prometheus_operator import v1 as monitoring
-    from cloudcoil.models.prometheus_operator import v1alpha1 as monitoring_alpha
-
-    return {("monitoring.coreos.com/v1", "PrometheusRule"): monitoring.PrometheusRule,
-            ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring.ServiceMonitor,
-            ("monitoring.coreos.com/v1", "PodMonitor"): monitoring.PodMonitor,
-            ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"): monitoring_alpha.AlertmanagerConfig,
-            ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject}.get((obj["apiVersion"], obj["kind"]))
-
-
-def validate(obj: dict[str, Any]) -> None:
-    """Raise when ``obj`` does not fit its schema: core kinds by kubernetes-validate (strict: unknown fields
-    fail), CRD kinds by parsing into the CRD's model and requiring that nothing was dropped (the models ignore
-    unknown fields, so a round trip that loses a field means the field is not in the CRD)."""
-    model = crd_model(obj)
-    if model is None:
-        import kubernetes_validate
-
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        return
-    parsed = model.model_validate(obj).model_dump(by_alias=True, exclude_unset=True, mode="json")
-    if parsed != obj:
-        raise ValueError(f"{obj['kind']} {obj['metadata']['name']}: fields outside the CRD schema")
 
 
 @needs_kubectl
