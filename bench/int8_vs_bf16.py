@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from appliance.cli.serve import ensure_demo_model  # noqa: E402
 from appliance.engine.command import engine_argv, engine_env, launcher_command  # noqa: E402
 from appliance.engine.placement import plan_placements  # noqa: E402
-from appliance.settings import EngineSettings  # noqa: E402
+from appliance.engine.settings import EngineSettings  # noqa: E402
 
 
 def start_engine(model: Path, port: int, placement, engine: EngineSettings, log: Path) -> subprocess.Popen:

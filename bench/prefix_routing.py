@@ -48,9 +48,9 @@ from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest, render_chat
 from appliance.gateway.routing.prefix_index import PrefixIndex
 from appliance.gateway.schemas import ChatMessage
+from appliance.gateway.settings import RoutingSettings
 from appliance.loadtest.client import RequestResult, build_body, monotonic_clock, stream_request
 from appliance.loadtest.stats import percentile
-from appliance.settings import RoutingSettings
 from tests.doubles import FakeReplica
 
 POLICIES = {  # name -> the gateway's environment for it

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from appliance.engine.placement import Placement
-from appliance.settings import EngineSettings
+from appliance.engine.settings import EngineSettings
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -25,7 +25,8 @@ import dns.resolver
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from appliance.engine.external import ExternalReplica
-from appliance.settings import DiscoverySettings, Settings
+from appliance.engine.settings import DiscoverySettings
+from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 

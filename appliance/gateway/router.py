@@ -25,7 +25,7 @@ from appliance.gateway.ejection import Ejector, ReplicaHealth
 from appliance.gateway.metrics import PrefixIndexCollector, RoutingMetrics
 from appliance.gateway.routing import RoutingRequest, build_policy
 from appliance.gateway.routing.filters import ELIGIBLE, WITH_ROOM, passing
-from appliance.settings import RoutingSettings
+from appliance.gateway.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
 

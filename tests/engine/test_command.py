@@ -5,7 +5,8 @@ import pytest
 
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
 from appliance.engine.placement import Placement
-from appliance.settings import ConfigError, EngineSettings, load_settings
+from appliance.engine.settings import EngineSettings
+from appliance.settings import ConfigError, load_settings
 
 
 def test_engine_flags_use_vllm_names():

@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.engine.contract import ReplicaState
 from appliance.engine.discovery import DnsFleet, resolve_with_nameserver, resolve_with_system
+from appliance.engine.settings import DiscoverySettings
 from appliance.serve import build_fleet, node_pending
-from appliance.settings import ConfigError, DiscoverySettings, Settings, load_settings
+from appliance.settings import ConfigError, Settings, load_settings
 from tests.engine.dns_server import TestDNSServer
 from tests.gateway.stub import StubUpstream
 

@@ -2,7 +2,7 @@
 
 from appliance.engine.load import EngineLoad
 from appliance.gateway.router import Outcome, Router
-from appliance.settings import RoutingSettings
+from appliance.gateway.settings import RoutingSettings
 from tests.doubles import FakeReplica
 
 

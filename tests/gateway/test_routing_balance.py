@@ -14,7 +14,7 @@ from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.prefix_index import PrefixIndex
-from appliance.settings import RoutingSettings
+from appliance.gateway.settings import RoutingSettings
 from tests.doubles import FakeReplica
 
 

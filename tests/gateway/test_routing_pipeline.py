@@ -11,7 +11,8 @@ from appliance.engine.load import EngineLoad
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
 from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
-from appliance.settings import ConfigError, RoutingSettings, load_settings
+from appliance.gateway.settings import RoutingSettings
+from appliance.settings import ConfigError, load_settings
 from tests.doubles import FakeReplica
 
 

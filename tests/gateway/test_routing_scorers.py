@@ -5,7 +5,7 @@ from appliance.engine.load import EngineLoad
 from appliance.gateway.router import Router
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.routing.scorers import KvCacheScorer, OutstandingScorer, PrefixScorer, QueueScorer
-from appliance.settings import PrefixScorerSettings, RoutingSettings
+from appliance.gateway.settings import PrefixScorerSettings, RoutingSettings
 from tests.doubles import FakeReplica
 
 

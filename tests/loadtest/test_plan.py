@@ -327,7 +327,7 @@ def test_text_plan_speaks_the_appliances_keys_first(device: str) -> None:
     matching APPLIANCE_ENGINE__* variables; vLLM's flags come after it, as a secondary view."""
     import yaml
 
-    from appliance.settings import EngineSettings
+    from appliance.engine.settings import EngineSettings
 
     plan = make_plan(KNOWN_SHAPES["demo"], PlanInputs(memory_gib=6.5, max_len=1024, device=device, reserve_gib=1,
                                                       kv_dtype="fp8"))

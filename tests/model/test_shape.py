@@ -54,7 +54,7 @@ def test_dtype_tables() -> None:
 def test_engine_setting_accepts_exactly_the_readers_kv_dtypes() -> None:
     from typing import get_args
 
-    from appliance.settings import EngineSettings
+    from appliance.engine.settings import EngineSettings
 
     assert get_args(EngineSettings.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
 

@@ -24,7 +24,7 @@ from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorer
 from appliance.gateway.routing.view import RoutingView
-from appliance.settings import RoutingScorerSettings
+from appliance.gateway.settings import RoutingScorerSettings
 
 # Every value the "decided_by" metric label can take: bounded by construction.
 DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "tie_kv_cache", "tie_queue", "tie_outstanding",

@@ -16,7 +16,7 @@ from appliance.engine.contract import Replica, ReplicaState
 from appliance.gateway.routing.prefix_index import PrefixIndex
 from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.view import RoutingView
-from appliance.settings import PrefixScorerSettings
+from appliance.gateway.settings import PrefixScorerSettings
 
 Score = float | None
 NEUTRAL = 0.5

@@ -1,0 +1,102 @@
+"""The engine section of the settings (``engine.*``, ``discovery.*``): owned here, beside the code that builds
+engine command lines and finds engines, and composed into :class:`appliance.settings.Settings`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import NoDecode
+
+from appliance.model.shape import KvCacheDtype
+
+
+class EngineSettings(BaseModel):
+    """Engine settings, named as vLLM names its own flags (``max_model_len`` is ``--max-model-len``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_model_len: int | None = Field(
+        None, ge=16, description="Longest prompt + completion, in tokens. Unset: the model's own limit from its "
+        "config.json, as vLLM derives it (1024 with no model: the demo model's)."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Sequences batched together per step (continuous batching).")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Token budget per scheduler step; vLLM's default when unset."
+    )
+    block_size: int | None = Field(None, ge=1, description="Paged KV-cache block size in tokens.")
+    kv_cache_space_gib: int = Field(
+        1, ge=1, description="CPU hosts: KV-cache space per replica in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU hosts: fraction of device memory vLLM may use (weights + KV cache)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica.")
+    dtype: str = Field("auto", description="Activation dtype (vLLM --dtype).")
+    quantization: str | None = Field(
+        None, description="vLLM --quantization; unset lets vLLM read it from the checkpoint (compressed-tensors)."
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto", description="vLLM --kv-cache-dtype: auto keeps K/V in the model's dtype; fp8 (= fp8_e4m3) and "
+        "fp8_e5m2 halve the KV cache's bytes per token, so the same space holds twice the tokens. Without "
+        "k/v scales in the checkpoint vLLM uses scale 1.0."
+    )
+    shutdown_timeout_seconds: int = Field(
+        10, ge=0, description="vLLM --shutdown-timeout: how long an engine finishes requests on SIGTERM."
+    )
+    start_timeout_seconds: float = Field(
+        300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
+    )
+    extra_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
+        "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."
+    )
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _split_args(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else shlex.split(text)
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_kv_cache_dtype_in_extra_args(cls, value: list[str]) -> list[str]:
+        if any(arg.split("=", 1)[0] == "--kv-cache-dtype" for arg in value):
+            raise ValueError("set engine.kv_cache_dtype instead of passing --kv-cache-dtype in extra_args")
+        return value
+
+
+class DiscoverySettings(BaseModel):
+    """Gateway role: engines found by DNS (a Kubernetes headless Service), re-resolved on an interval."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, description="DNS name whose A/AAAA records are the node addresses (e.g. the headless Service "
+        "appliance-engines.NAMESPACE.svc.cluster.local); required when role is gateway."
+    )
+    interval_seconds: float = Field(5.0, gt=0, description="How often the name is resolved again.")
+    engines_per_node: int = Field(
+        1, ge=1, le=64, description="Engines behind each address, at engine_base_port + i (the node's replicas)."
+    )
+    nameserver: str | None = Field(
+        None, description="host:port of the DNS server to ask (tests, or a resolver other than the system's); "
+        "unset: the system resolver (getaddrinfo)."
+    )
+    resolve_timeout_seconds: float = Field(
+        2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
+    )
+
+    @field_validator("nameserver")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"nameserver must be host:port, got {value!r}")
+        return value
