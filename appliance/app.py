@@ -5,8 +5,9 @@
                             -> maintenance (reads the data path through DataPathView; acts on replicas)
     FastAPI app: the gateway's routes, maintenance's routes, /admin/status; errors mapped to HTTP here
 
-Only this module knows all the parts; each part knows replicas only through ``appliance.engine.contract``. All
-state lives on ``app.state``, nothing in module globals, so tests build as many apps as they like.
+Only this module knows all the parts; each part knows replicas only through ``appliance.engine.contract``. The
+parts are kept in one frozen ``AppContext`` (appliance/context.py), stored once as ``app.state.context`` and read
+through ``app_context``/``context_of``; nothing lives in module globals, so tests build as many apps as they like.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance import status, version
 from appliance.collectors import register_collectors
+from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway.core import Gateway, build_gateway
 from appliance.gateway.limits import BodyBudget, RequestIntake
@@ -80,34 +82,24 @@ def create_app(
 
     app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan,
                   **api_docs_urls(settings.all_api_keys))
-    app.state.settings = settings
+    live = LiveState(settings)
 
     def apply_tenants(new: Settings) -> None:
         """``appliance reload`` of tenants and keys: the gateway's directory, quotas and accounting, and the
         settings the key check reads (``all_api_keys``), at once."""
         gateway.update_tenants(new.tenants, new.api_keys)
-        app.state.settings = app.state.settings.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
+        live.settings = live.settings.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
 
     maintenance.reloader.hot = apply_tenants
-    app.state.fleet = fleet
-    app.state.replicas = replicas
-    app.state.gateway = gateway
-    app.state.router = gateway.router
-    app.state.admission = gateway.admission
-    app.state.upstream = gateway.upstream
-    app.state.tenants = gateway.tenants
-    app.state.registry = registry
-    app.state.metrics = gateway.metrics
-    app.state.tracer_provider = gateway.tracer_provider
-    app.state.maintenance = maintenance
-    app.state.fleet_status = status.FleetStatus(settings, gateway, maintenance)
-    app.state.draining = False
-    app.state.started_at = time.time()
+    body_budget = BodyBudget(settings.intake.body_budget_bytes)
+    app.state.context = AppContext(
+        live=live, gateway=gateway, fleet=fleet, replicas=replicas, registry=registry, maintenance=maintenance,
+        fleet_status=status.FleetStatus(settings, gateway, maintenance), body_budget=body_budget,
+        started_at=time.time())
     install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
-    app.state.body_budget = BodyBudget(settings.intake.body_budget_bytes)
     app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes,
-                       body_timeout=settings.intake.body_timeout_seconds, budget=app.state.body_budget,
+                       body_timeout=settings.intake.body_timeout_seconds, budget=body_budget,
                        on_reject=gateway.metrics.count_unproxied)
     for route in (*Gateway.routes(), maintenance_routes.router, status.router):
         app.include_router(route)

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import signal
+import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.collectors import engine_stats_env
+from appliance.context import context_of
 from appliance.engine.contract import Fleet
 from appliance.engine.discovery import DnsFleet
 from appliance.engine.external import ExternalFleet
@@ -52,22 +54,23 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def startup(self, sockets: list | None = None) -> None:
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler we do not re-raise the signal after shutdown: a drained exit is exit 0.
-        if self._draining or self._loop is None:
+        loop = self._loop
+        if self._draining or loop is None:
             log.warning("second signal %s: stopping without waiting for in-flight requests", sig)
             self.should_exit = True
             self.force_exit = sig == signal.SIGINT
             return
         self._draining = True
-        self._app.state.draining = True
+        context_of(self._app).live.draining = True
         log.info("signal %s: draining %d in-flight request(s) (up to %.0fs); not ready, new requests get 503", sig,
                  self._pending(self._app), self._drain_timeout)
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
         started = time.monotonic()
@@ -77,7 +80,7 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.1)
         if pending:
             log.warning("drain timeout: %d requests still in flight or queued; stopping anyway", pending)
-            cut = await self._app.state.upstream.cut_streams()
+            cut = await context_of(self._app).gateway.upstream.cut_streams()
             if cut:
                 log.warning("drain timeout: cut %d stream(s) with a shutting_down error event", cut)
         else:
@@ -87,13 +90,14 @@ class DrainingServer(uvicorn.Server):
 
 def in_flight(app: FastAPI) -> int:
     """Requests the drain waits for: at the replicas, and queued in the gateway (they are owed an answer too)."""
-    return app.state.router.in_flight() + app.state.admission.queue_length
+    gateway = context_of(app).gateway
+    return gateway.router.in_flight() + gateway.admission.queue_length
 
 
 def node_pending(app: FastAPI) -> int:
     """Requests this node still serves: its own gateway's, plus what its engines report running or waiting
     (other gateways' requests). An engine whose reading is stale is not serving anything we can wait for."""
-    router = app.state.router
+    router = context_of(app).gateway.router
     now = time.monotonic()
     engine_side = 0.0
     for load in router.loads().values():

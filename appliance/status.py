@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
+from appliance.context import Context
 from appliance.engine.contract import Replica
 from appliance.gateway.core import Gateway
 from appliance.http.auth import require_admin
@@ -80,5 +81,5 @@ class FleetStatus:
 
 
 @router.get("/status")
-async def status(request: Request) -> dict:
-    return request.app.state.fleet_status.fleet(request.app.state.draining)
+async def status(ctx: Context) -> dict[str, Any]:
+    return ctx.fleet_status.fleet(ctx.live.draining)

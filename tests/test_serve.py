@@ -10,6 +10,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.gateway.router import Outcome
 from appliance.serve import DrainingServer, in_flight
 from appliance.settings import Settings
@@ -20,7 +21,7 @@ from tests.gateway.live import LiveGateway, wait_until
 def test_queued_requests_count_as_pending_for_the_drain():
     app = create_app(Settings(served_model_name="demo", admission={"max_limit": 1}),
                      replicas=lambda: [FakeReplica("replica-0")], registry=CollectorRegistry())
-    admission = app.state.admission
+    admission = context_of(app).gateway.admission
 
     async def scenario() -> int:
         held = await admission.acquire()
@@ -50,7 +51,7 @@ def test_streams_cut_by_the_drain_timeout_end_with_an_error_event(stubs):
 
         reader = threading.Thread(target=read_stream)
         reader.start()
-        assert wait_until(lambda: app.state.router.in_flight() == 1)
+        assert wait_until(lambda: context_of(app).gateway.router.in_flight() == 1)
         live.server.handle_exit(signal.SIGTERM, None)
         reader.join(20)
         assert wait_until(lambda: not live._thread.is_alive(), timeout=20)

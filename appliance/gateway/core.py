@@ -85,7 +85,9 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.request_timeout_seconds,
                         idle_timeout_seconds=settings.upstream_idle_timeout_seconds,
-                        tracing=_records_traces(settings, span_exporter), accounting=accounting, quotas=quotas)
+                        tracing=_records_traces(settings, span_exporter), accounting=accounting, quotas=quotas,
+                        migration_limit=settings.routing.migration_limit,
+                        max_model_len=settings.engine.max_model_len)
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas)

@@ -27,6 +27,7 @@ import time
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from appliance.context import context_of
 from appliance.http.auth import refusal
 from appliance.http.errors import APIError, ErrorHook, error_response
 
@@ -145,7 +146,7 @@ class RequestIntake:
         scope["appliance.arrived"] = time.monotonic()
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization")
-        denied = refusal(scope["app"].state.settings, route_path(scope),
+        denied = refusal(context_of(scope["app"]).live.settings, route_path(scope),
                          authorization.decode("latin-1") if authorization is not None else None)
         if denied is not None:
             await self._answer(scope, receive, send, denied)
@@ -178,5 +179,6 @@ class RequestIntake:
 
 def route_path(scope: Scope) -> str:
     """The path Starlette routes on (without the root_path a proxy mounted the app under)."""
-    path, root = scope["path"], scope.get("root_path", "")
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path

@@ -44,6 +44,7 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from starlette.types import Receive, Scope, Send
 
 from appliance.engine.contract import Replica, ReplicaState
@@ -143,7 +144,7 @@ class Exchange:
         """What ``to_client`` still holds (the stream ends or breaks here)."""
         return b"" if self.hidden_usage is None else self.hidden_usage.flush()
 
-    def reported(self, usage: dict | None) -> None:
+    def reported(self, usage: dict[str, Any] | None) -> None:
         """One engine usage report for this request (a continued stream has one per leg)."""
         found = Usage.of(usage)
         if found is not None:
@@ -174,8 +175,10 @@ class Upstream:
     def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
                  timeout_seconds: float, tracing: bool, max_attempts: int = 2,
                  idle_timeout_seconds: float | None = None, accounting: TenantAccounting | None = None,
-                 quotas: Quotas | None = None) -> None:
+                 quotas: Quotas | None = None, migration_limit: int = 0, max_model_len: int | None = None) -> None:
         self.admission = admission
+        self.migration_limit = migration_limit  # routing.migration_limit: continuations per request (0: none)
+        self.max_model_len = max_model_len  # engine.max_model_len: what a continuation's prompt may grow to
         self.metrics = metrics
         self.accounting = accounting  # per-tenant metrics (None: not kept, and streams are relayed untouched)
         self.quotas = quotas
@@ -285,10 +288,9 @@ class Upstream:
 
     def _plan_migration(self, exchange: Exchange) -> None:
         """Whether this request's stream may be continued elsewhere; if so, ask the engine for token ids."""
-        settings = getattr(exchange.request.app.state, "settings", None)
-        if settings is None or settings.routing.migration_limit <= 0:
+        if self.migration_limit <= 0:
             return
-        exchange.migration_limit = settings.routing.migration_limit
+        exchange.migration_limit = self.migration_limit
         if not exchange.stream:
             return  # a broken non-streaming answer is simply sent again (RerunElsewhere)
         try:
@@ -298,7 +300,7 @@ class Upstream:
         exchange.refused = migration.refusal(exchange.route, body)
         if exchange.refused is None:
             exchange.ledger = migration.StreamLedger(exchange.route, body,
-                                                     max_model_len=settings.engine.max_model_len)
+                                                     max_model_len=self.max_model_len)
             exchange.body = migration.with_token_ids(exchange.body)
 
     async def _forward_with_retry(self, exchange: Exchange) -> Response:
@@ -449,7 +451,7 @@ class Upstream:
                     first = now
                     span.add_event("first_token")
                     span.end()
-                else:
+                elif last is not None:  # set together with first
                     self.metrics.itl.labels(exchange.route).observe(now - last)
                 last = now
                 self.admission.router.note_relayed(replica.name)
@@ -527,7 +529,7 @@ class Upstream:
                                     pending = None
                             if first is None:
                                 first = now
-                            else:
+                            elif last is not None:  # set together with first
                                 self.metrics.itl.labels(exchange.route).observe(now - last)
                             last = now
                             chunks += 1
@@ -577,12 +579,11 @@ class Upstream:
                     exchange.settle(failed)  # the broken replica's slot and connection, before the next slot
                     exchange.tried.add(replica.name)
                     exchange.migrations += 1
+                    moved: dict[str, AttributeValue] = {"appliance.migration.reason": reason,
+                                                        "appliance.migration.from": replica.name,
+                                                        "appliance.migration.sent_tokens": len(ledger.sent_ids)}
                     pending = _Pending(exchange.route, reason, replica.name, broke_at,
-                                       exchange.trace.child("gateway.continuation", trace.SpanKind.CLIENT,
-                                                            **{"appliance.migration.reason": reason,
-                                                               "appliance.migration.from": replica.name,
-                                                               "appliance.migration.sent_tokens":
-                                                                   len(ledger.sent_ids)}))
+                                       exchange.trace.child("gateway.continuation", trace.SpanKind.CLIENT, **moved))
                     try:
                         span = await self._continue(exchange, ledger, pending)
                     except (APIError, RetryableUpstreamError, *UPSTREAM_ERRORS) as error:
@@ -835,22 +836,24 @@ async def unless_client_leaves(work: Awaitable[T], receive: Receive) -> T:
     raise ClientGone
 
 
-def _usage(content: bytes) -> dict | None:
+def _usage(content: bytes) -> dict[str, Any] | None:
     try:
-        return json.loads(content).get("usage")
+        usage: dict[str, Any] | None = json.loads(content).get("usage")
+        return usage
     except (ValueError, AttributeError):
         return None
 
 
-def _final_usage_in(tail: bytes) -> dict | None:
+def _final_usage_in(tail: bytes) -> dict[str, Any] | None:
     """The usage of the final usage event in a stream's tail (not a running total on a content chunk)."""
     for line in reversed(tail.split(b"\n")):
         if USAGE in line and (final := final_usage(line)) is not None:
-            return final["usage"]
+            usage: dict[str, Any] = final["usage"]
+            return usage
     return None
 
 
-def _stream_usage(tail: bytes) -> dict | None:
+def _stream_usage(tail: bytes) -> dict[str, Any] | None:
     """The usage object of the last data event before [DONE], present when the client asked for it."""
     for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data: {") and b'"usage"' in line:

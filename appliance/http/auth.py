@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
+from appliance.context import app_context
 from appliance.http.errors import APIError
 
 Check = Callable[[Any, str | None], APIError | None]
@@ -134,8 +135,9 @@ async def require_api_key(request: Request) -> None:
     """/v1's dependency: a valid key, and whose it is (``request.state.tenant``, for accounting, quotas and fair
     share; ``appliance.gateway.tenants``)."""
     authorization = request.headers.get("authorization")
-    _raise(api_key_error(request.app.state.settings, authorization))
-    tenant = request.app.state.tenants.identify(_bearer(authorization))
+    ctx = app_context(request)
+    _raise(api_key_error(ctx.live.settings, authorization))
+    tenant = ctx.gateway.tenants.identify(_bearer(authorization))
     if tenant is None:  # accepted by the settings, unknown to the directory: a reload between the two reads
         raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
@@ -146,15 +148,15 @@ async def require_admin(request: Request) -> None:
     """Every /admin route's dependency: the admin token, except on /admin/alerts, which also takes the alerts
     token (the routes share one router; the path decides, as in ``check_for_path``)."""
     check = alerts_error if getattr(request.scope.get("route"), "path", None) == ALERTS_PATH else admin_error
-    _raise(check(request.app.state.settings, request.headers.get("authorization")))
+    _raise(check(app_context(request).live.settings, request.headers.get("authorization")))
 
 
 async def require_metrics(request: Request) -> None:
-    _raise(metrics_error(request.app.state.settings, request.headers.get("authorization")))
+    _raise(metrics_error(app_context(request).live.settings, request.headers.get("authorization")))
 
 
 async def require_api_key_or_admin(request: Request) -> None:
-    _raise(api_key_or_admin_error(request.app.state.settings, request.headers.get("authorization")))
+    _raise(api_key_or_admin_error(app_context(request).live.settings, request.headers.get("authorization")))
 
 
 def api_docs_urls(api_keys: list[str]) -> dict[str, Any]:

@@ -8,10 +8,13 @@ maintenance controller, so each is logged, counted and annotated the same way wh
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from appliance.context import AppContext, Context
 from appliance.engine.discovery import replica_name
 from appliance.http import json_body
 from appliance.http.auth import require_admin
@@ -23,40 +26,40 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=
 
 
 @router.post("/replicas/{name}/drain")
-async def drain(name: str, request: Request) -> dict:
-    replica = request.app.state.maintenance.controller.drain(name, "admin")
-    return request.app.state.fleet_status.replica(replica)
+async def drain(name: str, ctx: Context) -> dict[str, Any]:
+    replica = ctx.maintenance.controller.drain(name, "admin")
+    return ctx.fleet_status.replica(replica)
 
 
 @router.post("/replicas/{name}/undrain")
-async def undrain(name: str, request: Request) -> dict:
-    replica = request.app.state.maintenance.controller.undrain(name, "admin")
-    return request.app.state.fleet_status.replica(replica)
+async def undrain(name: str, ctx: Context) -> dict[str, Any]:
+    replica = ctx.maintenance.controller.undrain(name, "admin")
+    return ctx.fleet_status.replica(replica)
 
 
 @router.post("/replicas/{name}/restart", status_code=202)
-async def restart(name: str, request: Request) -> JSONResponse:
+async def restart(name: str, ctx: Context) -> JSONResponse:
     """Drain the replica, let in-flight requests finish (up to drain_timeout_seconds), restart it, wait until it is
     ready, warm it, return it to routing. Requests that find no routable replica meanwhile wait in the queue."""
-    request.app.state.maintenance.controller.start_restart(name, "admin", "requested through the admin API")
+    ctx.maintenance.controller.start_restart(name, "admin", "requested through the admin API")
     return JSONResponse({"replica": name, "action": "restart", "accepted": True}, status_code=202)
 
 
 @router.post("/rolling-restart", status_code=202)
-async def rolling_restart(request: Request) -> JSONResponse:
+async def rolling_restart(ctx: Context) -> JSONResponse:
     """Restart every replica, one at a time, in the background; 409 while a restart is already running."""
-    controller = request.app.state.maintenance.controller
+    controller = ctx.maintenance.controller
     controller.start_rolling_restart("admin", "requested through the admin API")
     return JSONResponse({"action": "rolling_restart", "accepted": True,
                          "replicas": [r.name for r in controller.replicas()]}, status_code=202)
 
 
 @router.post("/reload")
-async def reload(request: Request) -> JSONResponse:
+async def reload(ctx: Context) -> JSONResponse:
     """Re-read the configuration given at start; roll the replicas onto new engine settings one at a time (202),
     or, when nothing is to roll, say what changed (tenants and keys, applied at once) or that nothing did (200).
     409 for changes that cannot roll (the keys are listed), 400 if it is invalid."""
-    result = request.app.state.maintenance.reloader.reload()
+    result = ctx.maintenance.reloader.reload()
     return JSONResponse({"action": "reload", **result.as_dict()}, status_code=202 if result.rolling_restart else 200)
 
 
@@ -71,8 +74,8 @@ class LeaseRequest(BaseModel):
     ttl_seconds: float = Field(..., gt=0, le=86400)
 
 
-def _leases(request: Request) -> LeaseBoard:
-    board = request.app.state.maintenance.leases
+def _leases(ctx: AppContext) -> LeaseBoard:
+    board = ctx.maintenance.leases
     if board is None:
         raise NotCoordinator("restart leases are granted by gateways (role gateway): point "
                              "maintenance.coordinator_url at one")
@@ -80,10 +83,10 @@ def _leases(request: Request) -> LeaseBoard:
 
 
 @router.post("/maintenance/lease")
-async def acquire_lease(request: Request) -> dict:
+async def acquire_lease(request: Request, ctx: Context) -> dict[str, Any]:
     """Grant or renew the restart lease: 409 ``restart_lease_held`` (another node restarts now),
     ``min_ready_replicas`` (the fleet would drop below the minimum), ``engines_not_in_view``."""
-    board = _leases(request)
+    board = _leases(ctx)
     try:
         body = LeaseRequest.model_validate(json_body.loads(await request.body()))
     except ValueError as exc:
@@ -98,17 +101,17 @@ async def acquire_lease(request: Request) -> dict:
 
 
 @router.delete("/maintenance/lease")
-async def release_lease(request: Request, holder: str) -> dict:
-    return {"released": _leases(request).release(holder)}
+async def release_lease(holder: str, ctx: Context) -> dict[str, Any]:
+    return {"released": _leases(ctx).release(holder)}
 
 
 @router.get("/maintenance/lease")
-async def lease_status(request: Request) -> dict:
-    return _leases(request).status()
+async def lease_status(ctx: Context) -> dict[str, Any]:
+    return _leases(ctx).status()
 
 
 @router.post("/alerts")
-async def alerts(request: Request) -> dict:
+async def alerts(request: Request, ctx: Context) -> dict[str, Any]:
     """Alertmanager's webhook (payload version 4): whitelisted alerts trigger their runbook's action when the
     appliance's own view agrees. ``ignored``: alerts over ``maintenance.alert_max_per_payload``, only counted."""
     raw = await request.body()
@@ -117,7 +120,7 @@ async def alerts(request: Request) -> dict:
     except ValueError as exc:  # json_body.InvalidJSON and ValidationError are ValueErrors
         raise APIError(400, f"not an Alertmanager webhook payload: {_first_error(exc)}",
                        code="invalid_alert_payload") from None
-    handled = request.app.state.maintenance.alerts.handle(payload)
+    handled = ctx.maintenance.alerts.handle(payload)
     return {"received": len(payload.alerts), "ignored": handled.ignored,
             "decisions": [d.__dict__ for d in handled.decisions]}
 

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.engine.contract import ReplicaState
 from appliance.engine.discovery import DnsFleet, resolve_with_nameserver, resolve_with_system
 from appliance.engine.settings import DiscoverySettings
@@ -166,7 +167,8 @@ def test_gateway_routes_to_discovered_engines_and_lets_a_vanished_one_finish(dns
             r=client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})))
         served_before = len(engines[0].received)
         thread.start()
-        assert wait_for(lambda: len(engines[0].received) > served_before or app.state.router.in_flight() > 0)
+        router = context_of(app).gateway.router
+        assert wait_for(lambda: len(engines[0].received) > served_before or router.in_flight() > 0)
         dns_server.set(NAME, ["127.0.0.3"])  # the node at 127.0.0.2 leaves while a request runs there
         assert wait_for(lambda: client.get("/health/ready").json()["ready_replicas"] == 1)
         for _ in range(5):
@@ -175,7 +177,7 @@ def test_gateway_routes_to_discovered_engines_and_lets_a_vanished_one_finish(dns
             assert response.headers["x-appliance-replica"] == f"127.0.0.3:{port}"
         thread.join(10)
         assert slow["r"].status_code == 200  # the request already on the vanished node finished
-        assert app.state.router.in_flight() == 0
+        assert router.in_flight() == 0
 
 
 async def until(predicate, timeout: float = 10.0) -> None:
@@ -203,7 +205,7 @@ def test_node_drain_waits_for_requests_other_gateways_sent_to_its_engines():
 
     settings = Settings(engine_urls=["http://127.0.0.1:1"])
     app = create_app(settings, fleet=build_fleet(settings, CollectorRegistry()))
-    router = app.state.router
+    router = context_of(app).gateway.router
     assert node_pending(app) == 0
     router.update_load("external-0", EngineLoad(running=2, waiting=1, read_at=time.monotonic()))
     assert node_pending(app) == 3

@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.live import LiveGateway, wait_until
@@ -40,7 +41,7 @@ def test_client_leaving_while_the_engine_generates_aborts_it(gateway, stubs):
         assert wait_until(lambda: counted(registry, "499") == 1)
         assert sum(s.answered for s in stubs) == 0
         assert counted(registry, "200") == 0
-        assert live.app.state.router.in_flight() == 0
+        assert context_of(live.app).gateway.router.in_flight() == 0
 
 
 def test_request_abandoned_in_the_queue_is_never_dispatched(gateway, stubs):
@@ -54,8 +55,8 @@ def test_request_abandoned_in_the_queue_is_never_dispatched(gateway, stubs):
         assert wait_until(lambda: len(stubs[0].received) == 1)
         live.post_and_hang_up("/v1/completions", BODY, after_seconds=0.3)  # queued behind it, then gone
         assert wait_until(lambda: counted(registry, "499") == 1)
-        assert live.app.state.admission.queue_length == 0
+        assert context_of(live.app).gateway.admission.queue_length == 0
         holder.join()
         assert wait_until(lambda: counted(registry, "200") == 1)
         assert len(stubs[0].received) == 1  # the abandoned request never reached the engine
-        assert live.app.state.router.in_flight() == 0
+        assert context_of(live.app).gateway.router.in_flight() == 0

@@ -2,6 +2,8 @@
 
 import pytest
 
+from appliance.context import context_of
+
 
 def assert_error(response, status: int) -> dict:
     assert response.status_code == status, response.text
@@ -64,7 +66,7 @@ def test_body_over_the_limit_is_a_413(make_client, stubs):
 
 
 def test_draining_gateway_answers_503(client):
-    client.app.state.draining = True
+    context_of(client.app).live.draining = True
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert_error(response, 503)
     assert response.headers["retry-after"]

@@ -1,8 +1,10 @@
 """Readiness reflects the capacity the router can actually use, ejection included."""
 
+from appliance.context import context_of
+
 
 def test_readiness_counts_routable_capacity_after_ejection(client, replicas):
-    router = client.app.state.router
+    router = context_of(client.app).gateway.router
     router.eject("replica-0", "test")
     body = client.get("/health/ready").json()
     assert body["status"] == "ready"

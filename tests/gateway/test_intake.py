@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.serve import server_options
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
@@ -106,13 +107,13 @@ def test_a_body_that_stalls_is_a_408_within_the_read_timeout():
     assert exchange.status == 408
     assert exchange.error["code"] == "body_timeout"
     assert time.monotonic() - started < 5  # 0.5 s, generously
-    assert app.state.body_budget.in_flight == 0
+    assert context_of(app).body_budget.in_flight == 0
 
 
 def test_bodies_in_flight_share_one_byte_budget():
     app = build(api_keys=["k1"], max_request_bytes=4096,
                 intake={"body_budget_bytes": 8192, "body_timeout_seconds": 1.0})
-    budget = app.state.body_budget
+    budget = context_of(app).body_budget
 
     async def scenario() -> None:
         holders = [asyncio.ensure_future(Exchange("/v1/completions", {"content-length": "4096", **KEY},

@@ -2,6 +2,8 @@
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.context import context_of
+
 
 def scrape(client) -> dict[str, list]:
     response = client.get("/metrics")
@@ -39,7 +41,7 @@ def test_every_answer_on_a_client_route_is_counted_once(make_client, replicas):
     for replica in replicas:
         replica.drain()  # nothing routable and no restart planned: the proxy answers 503 (counted by it, once)
     client.post("/v1/completions", json={"prompt": "hi"})
-    client.app.state.draining = True
+    context_of(client.app).live.draining = True
     client.post("/v1/completions", json={"prompt": "hi"})
     client.get("/v1/models")  # not a generation route: not counted
     samples = scrape(client)["appliance_requests"]
@@ -57,7 +59,7 @@ def test_ttft_buckets_include_the_slo(make_client):
 
 
 def test_fleet_state_is_exported(client, replicas):
-    admission = client.app.state.admission
+    admission = context_of(client.app).gateway.admission
     held = [admission.try_lease(frozenset({"replica-0"}), None) for _ in range(2)]  # two requests at replica-1
     families = scrape(client)
     assert value(families["appliance_replica_outstanding_requests"], "appliance_replica_outstanding_requests",

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.gateway import migration
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
@@ -75,8 +76,8 @@ class Gateway:
         return self.registry.get_sample_value("appliance_stream_migration_replayed_tokens_total") or 0.0
 
     def slots_back(self) -> bool:
-        state = self.app.state
-        return state.router.in_flight() == 0 and not state.admission.ledger.held
+        gateway = context_of(self.app).gateway
+        return gateway.router.in_flight() == 0 and not gateway.admission.ledger.held
 
 
 def text_of(events: list, route: str) -> str:
@@ -164,9 +165,9 @@ def test_generated_break_points_always_give_the_undisturbed_stream(engines, fail
             assert wait_until(gw.slots_back), f"case {case}"
             failures.clear()
             for replica in gw.fleet:  # failures pile up on one fake replica and eject it: not what is tested
-                health = gw.app.state.router.health_of(replica.name)
+                health = context_of(gw.app).gateway.router.health_of(replica.name)
                 health.ejected_until, health.consecutive_failures = None, 0
-        assert not gw.app.state.admission.ledger.reclaimed
+        assert not context_of(gw.app).gateway.admission.ledger.reclaimed
 
 
 def test_the_client_that_asked_for_token_ids_gets_them_consistent_across_the_break(engines, failures):
@@ -238,7 +239,7 @@ def test_a_continuation_waits_for_a_replica_rather_than_fail_at_once(engines, fa
     half-sent waits for one, as a queued request would."""
     failures.append(Failure(after=4))
     with Gateway(engines, routing={"eject_base_seconds": 0.5}) as gw:
-        gw.app.state.router.eject("replica-1", "a TTFT outlier")
+        context_of(gw.app).gateway.router.eject("replica-1", "a TTFT outlier")
         assert_whole(gw.stream("completions", body_for("completions", 10)), "completions", 10)
         assert gw.migrations("connection", "continued") == 1
     assert [len(e.received) for e in engines] == [1, 1]
@@ -288,7 +289,7 @@ def test_the_continuation_has_its_span(engines, failures):
     with Gateway(engines, exporter=exporter, trace_sample_ratio=1.0) as gw:
         assert_whole(gw.stream("completions", body_for("completions", 10)), "completions", 10)
         assert wait_until(gw.slots_back)
-        gw.app.state.tracer_provider.force_flush()
+        context_of(gw.app).gateway.tracer_provider.force_flush()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     span = spans["gateway.continuation"]
     assert span.attributes["appliance.migration.reason"] == "connection"

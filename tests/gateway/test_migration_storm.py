@@ -20,6 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
+from appliance.gateway.core import Gateway
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.live import LiveGateway, wait_until
@@ -40,16 +42,16 @@ class Storm:
     whole: list[int] = field(default_factory=list)  # per case: clients that read a whole stream
 
     @property
-    def state(self):
-        return self.live.app.state
+    def gateway(self) -> Gateway:
+        return context_of(self.live.app).gateway
 
     def slots_back(self) -> bool:
-        admission = self.state.admission
-        return self.state.router.in_flight() == 0 and admission.queue_length == 0 and not admission.ledger.held
+        admission = self.gateway.admission
+        return self.gateway.router.in_flight() == 0 and admission.queue_length == 0 and not admission.ledger.held
 
     def describe(self) -> str:
-        admission = self.state.admission
-        return (f"in flight {dict(self.state.router.outstanding)}, queued {admission.queue_length}, "
+        admission = self.gateway.admission
+        return (f"in flight {dict(self.gateway.router.outstanding)}, queued {admission.queue_length}, "
                 f"leases held {dict(admission.ledger.held)}, reclaimed by GC {dict(admission.ledger.reclaimed)}")
 
 
@@ -137,7 +139,7 @@ async def crowd(clients: list) -> None:
 def recover(storm: Storm) -> None:
     storm.failures.clear()
     for name in ("replica-0", "replica-1"):
-        health = storm.state.router.health_of(name)
+        health = storm.gateway.router.health_of(name)
         health.ejected_until, health.consecutive_failures = None, 0
 
 
@@ -157,8 +159,8 @@ def test_storms_with_dying_engines_and_leaving_clients_give_every_slot_back(stor
         asyncio.run(crowd(clients))
         recover(storm)
         assert wait_until(storm.slots_back, timeout=20), f"case {case} ({drawn}): {storm.describe()}"
-        assert not storm.state.admission.ledger.reclaimed, f"case {case}: a lease needed the GC backstop"
-        assert not storm.state.admission.audit.orphans_returned, f"case {case}: the audit returned orphans"
+        assert not storm.gateway.admission.ledger.reclaimed, f"case {case}: a lease needed the GC backstop"
+        assert not storm.gateway.admission.audit.orphans_returned, f"case {case}: the audit returned orphans"
     print(f"{CASES} migration storm cases in {time.monotonic() - started:.1f}s: {len(storm.whole)} whole streams "
           f"read, {migrations(storm):.0f} migrations")
     assert migrations(storm) > CASES / 2  # the storms did exercise migration

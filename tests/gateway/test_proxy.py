@@ -3,6 +3,7 @@
 import json
 import threading
 
+from appliance.context import context_of
 from appliance.gateway.router import Outcome
 
 
@@ -25,7 +26,7 @@ def test_stream_is_relayed_chunk_by_chunk(client):
     assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["0", "1", "2"]
     replica = response.headers["x-appliance-replica"]
     # Hung-replica detection counts relayed bytes as progress (appliance/maintenance/progress.py).
-    assert client.app.state.router.relayed_at(replica) is not None
+    assert context_of(client.app).gateway.router.relayed_at(replica) is not None
 
 
 def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs):
@@ -54,7 +55,7 @@ def test_unreachable_replica_is_retried_on_another(client, stubs, replicas):
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 200
     assert response.headers["x-appliance-replica"] == "replica-1"
-    assert all(client.app.state.router.in_flight(r.name) == 0 for r in replicas)
+    assert all(context_of(client.app).gateway.router.in_flight(r.name) == 0 for r in replicas)
 
 
 def test_all_replicas_unreachable_is_a_502(client, stubs):
@@ -76,8 +77,9 @@ def test_no_ready_replica_is_a_503_with_retry_after(client, replicas):
 
 
 def test_least_outstanding_replica_wins(client, replicas):
-    router = client.app.state.router
-    held = [client.app.state.admission.try_lease(frozenset({"replica-1"}), None) for _ in range(3)]  # at replica-0
+    gateway = context_of(client.app).gateway
+    router = gateway.router
+    held = [gateway.admission.try_lease(frozenset({"replica-1"}), None) for _ in range(3)]  # at replica-0
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.headers["x-appliance-replica"] == "replica-1"
     assert router.in_flight("replica-0") == 3 and router.in_flight("replica-1") == 0
@@ -110,7 +112,7 @@ def test_requests_that_outlive_the_request_timeout_do_not_eject_replicas(make_cl
         stub.delay = 2.0
     codes = [client.post("/v1/completions", json={"prompt": "hi"}).status_code for _ in range(6)]
     assert codes == [504] * 6
-    router = client.app.state.router
+    router = context_of(client.app).gateway.router
     assert [router.health_of(f"replica-{i}").consecutive_failures for i in range(2)] == [0, 0]
     assert not any(router.health_of(f"replica-{i}").ejected for i in range(2)) and not router.panic()
     assert router.in_flight() == 0
@@ -126,7 +128,7 @@ def test_stalled_stream_is_cut_after_the_idle_timeout_with_an_error_event(make_c
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert len(events) == 2 and json.loads(events[0][6:])["choices"][0]["text"] == "0"
     assert json.loads(events[-1][6:])["error"]["code"] == "upstream_timeout"
-    assert client.app.state.router.in_flight() == 0
+    assert context_of(client.app).gateway.router.in_flight() == 0
 
 
 def test_a_retry_waits_for_a_replica_that_is_only_ejected(make_client, stubs, replicas):
@@ -134,7 +136,7 @@ def test_a_retry_waits_for_a_replica_that_is_only_ejected(make_client, stubs, re
     (a TTFT outlier a moment earlier, as the stream-migration test on real vLLM met): the retry waits for that
     replica, up to the queue timeout, instead of answering 502 at once."""
     client = make_client(routing={"eject_consecutive_failures": 100})
-    router = client.app.state.router
+    router = context_of(client.app).gateway.router
     router.eject("replica-1", "a TTFT outlier, for the test")
     stubs[0].stop()  # replica-0 refuses connections
     back = threading.Timer(0.5, router.probe_result, args=("replica-1", True))

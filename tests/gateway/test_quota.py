@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from appliance.context import context_of
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.quota import REQUESTS, TOKENS, Quotas, TokenBucket, estimate_prompt_tokens
 
@@ -171,7 +172,7 @@ def test_a_spent_quota_is_a_429_with_retry_after_and_an_openai_error(make_client
     # the other tenant is not affected
     other = client.post("/v1/completions", json=body, headers={"authorization": "Bearer key-b"})
     assert other.status_code == 200
-    registry = client.app.state.registry
+    registry = context_of(client.app).registry
     limited = samples(registry, "appliance_tenant_rate_limited_total")
     assert limited[(("limit", "requests"), ("tenant", "team-a"))] == 1
     assert limited[(("limit", "tokens"), ("tenant", "team-b"))] == 0

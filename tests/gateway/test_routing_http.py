@@ -5,6 +5,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.settings import Settings
 
 
@@ -34,7 +35,7 @@ def test_the_request_span_carries_the_routing_decision(replicas):
     with TestClient(app) as client:
         for _ in range(2):
             client.post("/v1/completions", json={"prompt": "the same long prompt " * 10, "max_tokens": 2})
-        app.state.tracer_provider.force_flush()
+        context_of(app).gateway.tracer_provider.force_flush()
     roots = [s for s in exporter.get_finished_spans() if s.name == "gateway completions"]
     assert [s.attributes["appliance.routing.decided_by"] for s in roots] == ["index", "prefix"]
     assert roots[1].attributes["appliance.routing.score"] > roots[0].attributes["appliance.routing.score"]

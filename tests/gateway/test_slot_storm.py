@@ -27,6 +27,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
+from appliance.gateway.core import Gateway
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.live import LiveGateway, wait_until
@@ -44,17 +46,17 @@ class Storm:
     fleet: list[FakeReplica]
 
     @property
-    def state(self):
-        return self.live.app.state
+    def gateway(self) -> Gateway:
+        return context_of(self.live.app).gateway
 
     def slots_back(self) -> bool:
-        admission = self.state.admission
-        return (self.state.router.in_flight() == 0 and admission.queue_length == 0
+        admission = self.gateway.admission
+        return (self.gateway.router.in_flight() == 0 and admission.queue_length == 0
                 and not admission.ledger.held)
 
     def describe(self) -> str:
-        admission = self.state.admission
-        return (f"in flight {dict(self.state.router.outstanding)}, queued {admission.queue_length}, "
+        admission = self.gateway.admission
+        return (f"in flight {dict(self.gateway.router.outstanding)}, queued {admission.queue_length}, "
                 f"leases held {dict(admission.ledger.held)}, reclaimed by GC {dict(admission.ledger.reclaimed)}")
 
 
@@ -115,7 +117,7 @@ def configure(storm: Storm, rng: random.Random) -> str:
         storm.stubs[1].fail_status = 503  # refuses: its requests retry on replica-0
     ejected = rng.random() < 0.15
     if ejected:
-        storm.state.router.eject("replica-1", "storm")
+        storm.gateway.router.eject("replica-1", "storm")
     return (f"stubs {[(s.delay, s.chunks, s.stall, s.fail_status) for s in storm.stubs]}, "
             f"replica-1 ejected: {ejected}")
 
@@ -125,7 +127,7 @@ def recover(storm: Storm) -> None:
     for stub in storm.stubs:
         stub.fail_status, stub.stall, stub.delay, stub.chunks = None, 0.0, 0.0, 3
     for name in ("replica-0", "replica-1"):
-        health = storm.state.router.health_of(name)
+        health = storm.gateway.router.health_of(name)
         health.ejected_until, health.consecutive_failures = None, 0
 
 
@@ -151,8 +153,8 @@ def test_generated_storms_of_leaving_clients_give_every_slot_back(storm: Storm) 
         asyncio.run(crowd(storm.live.port, rng))
         recover(storm)
         assert wait_until(storm.slots_back, timeout=20), f"case {case} ({drawn}): {storm.describe()}"
-        assert not storm.state.admission.ledger.reclaimed, f"case {case}: a lease needed the GC backstop"
-        assert not storm.state.admission.audit.orphans_returned, f"case {case}: the audit returned orphans"
+        assert not storm.gateway.admission.ledger.reclaimed, f"case {case}: a lease needed the GC backstop"
+        assert not storm.gateway.admission.audit.orphans_returned, f"case {case}: the audit returned orphans"
         assert answered(storm) == 200
     print(f"{CASES} storm cases in {time.monotonic() - started:.1f}s")
 
@@ -175,7 +177,7 @@ def test_a_burst_of_streams_dropped_at_once_gives_every_slot_back(storm: Storm) 
         for round_ in range(3):
             asyncio.run(burst(storm.live.port, random.Random(round_)))
         assert wait_until(storm.slots_back, timeout=20), storm.describe()
-        assert not storm.state.admission.ledger.reclaimed
+        assert not storm.gateway.admission.ledger.reclaimed
     finally:
         recover(storm)
     assert answered(storm) == 200

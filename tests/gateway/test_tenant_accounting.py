@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.gateway import migration
 from appliance.gateway.tenants.accounting import HiddenUsage, TenantAccounting, Usage, ask_for_usage, final_usage
 from appliance.settings import Settings
@@ -157,8 +158,8 @@ def gateway(engine, migration_limit: int = 1) -> TestClient:
 
 
 def tokens(client: TestClient, tenant: str, kind: str) -> float:
-    return client.app.state.registry.get_sample_value("appliance_tenant_tokens_total",
-                                                      {"tenant": tenant, "kind": kind})
+    return context_of(client.app).registry.get_sample_value("appliance_tenant_tokens_total",
+                                                            {"tenant": tenant, "kind": kind})
 
 
 def direct(engine: VllmLikeEngine, path: str, body: dict) -> bytes:
@@ -222,7 +223,7 @@ def test_counters_are_the_sum_of_what_the_engine_reported_per_tenant(engine):
             assert tokens(client, tenant, "prompt") == usage.prompt
             assert tokens(client, tenant, "completion") == usage.completion
             assert tokens(client, tenant, "cached_prompt") == usage.cached_prompt
-        registry = client.app.state.registry
+        registry = context_of(client.app).registry
         assert registry.get_sample_value("appliance_tenant_requests_total", {"tenant": "team-a", "code": "200"}) == 8
         assert registry.get_sample_value("appliance_tenant_ttft_seconds_count", {"tenant": "team-a"}) == 6
         assert registry.get_sample_value("appliance_tenant_queue_wait_seconds_count", {"tenant": "team-b"}) == 4
@@ -230,7 +231,7 @@ def test_counters_are_the_sum_of_what_the_engine_reported_per_tenant(engine):
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6}, headers=B).status_code == 400
         assert registry.get_sample_value("appliance_tenant_requests_total", {"tenant": "team-b", "code": "400"}) == 1
         assert registry.get_sample_value("appliance_requests_total", {"route": "completions", "code": "400"}) == 1
-        summary = client.app.state.gateway.accounting.summary()
+        summary = context_of(client.app).gateway.accounting.summary()
         assert [row["tenant"] for row in summary] == sorted(
             expected, key=lambda name: -expected[name].total)
         top = summary[0]

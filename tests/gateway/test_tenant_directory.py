@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from appliance.context import context_of
 from appliance.gateway.tenants.directory import DEFAULT, TenantDirectory
 from appliance.gateway.tenants.settings import DEFAULT_TENANT, TenantSettings
 from appliance.settings import ConfigError, Settings, load_settings
@@ -105,7 +106,7 @@ def test_the_api_names_the_tenant_of_the_key(make_client):
     """A request's tenant is its key's: admission is asked for a slot on that tenant's behalf (what fair share and
     accounting build on); an unknown key is a 401 before anything is queued."""
     client = make_client(tenants=[tenant("team-a", "ka")], api_keys=["k0"])
-    admission = client.app.state.admission
+    admission = context_of(client.app).gateway.admission
     seen: list[str] = []
     acquire = admission.acquire
 

@@ -4,6 +4,7 @@ from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.settings import Settings
 
 
@@ -15,7 +16,7 @@ def test_spans_per_hop_in_the_callers_trace(replicas):
         with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True},
                            headers={"traceparent": traceparent}) as response:
             list(response.iter_lines())
-        app.state.tracer_provider.force_flush()
+        context_of(app).gateway.tracer_provider.force_flush()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert {"gateway completions", "gateway.queue_wait", "gateway.upstream", "gateway.stream"} <= set(spans)
     root = spans["gateway completions"]
@@ -47,7 +48,7 @@ def _exported_trace_ids(ratio: float, trace_ids: list[int], sampled: bool, repli
             response = client.post("/v1/completions", json={"prompt": "hi"},
                                    headers={"traceparent": _traceparent(trace_id, sampled)})
             assert response.status_code == 200
-        app.state.tracer_provider.force_flush()
+        context_of(app).gateway.tracer_provider.force_flush()
     roots = [s for s in exporter.get_finished_spans() if s.name == "gateway completions"]
     for root in roots:  # a sampled request continues the caller's trace: its span is the parent
         assert root.parent is not None and root.parent.span_id == 0x00F067AA0BA902B7 and root.parent.is_remote

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.kubernetes.test_manifests import render
@@ -54,8 +55,8 @@ def test_the_gateway_probe_stays_ready_without_engines_and_clients_get_503(gatew
 def test_the_gateway_probe_fails_while_draining(gateway, gateway_probe):
     """Draining takes the pod out of the Service (its preStop has already waited for that), engines or not."""
     client, _ = gateway
-    client.app.state.draining = True
+    context_of(client.app).live.draining = True
     response = client.get(gateway_probe)
     assert response.status_code == 503 and response.json()["draining"] is True
-    client.app.state.draining = False
+    context_of(client.app).live.draining = False
     assert client.get(gateway_probe).status_code == 200

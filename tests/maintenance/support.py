@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta
 
+from appliance.context import context_of
 from tests.doubles import restartable_fleet
 
 fleet = restartable_fleet
@@ -39,8 +40,8 @@ def judge_hung(client, *names: str) -> None:
     stands still for the whole hung period."""
     from appliance.engine.load import EngineLoad
 
-    router = client.app.state.router
-    progress = client.app.state.maintenance.progress
+    router = context_of(client.app).gateway.router
+    progress = context_of(client.app).maintenance.progress
     now = time.monotonic()
     for at in (now - progress.hung_after_seconds, now):
         for name in names:

@@ -1,6 +1,7 @@
 """No action path takes routable replicas below ``maintenance.min_ready_replicas``; restarts from alerts run one
 at a time; the alert rate limit is keyed on the replica the alert resolves to, not on the alert's labels."""
 
+from appliance.context import context_of
 from tests.maintenance.conftest import AUTH
 from tests.maintenance.support import judge_hung
 from tests.maintenance.test_webhook import actions, alert, payload, wait_idle
@@ -91,7 +92,7 @@ def test_rate_limit_cannot_be_bypassed_by_changing_labels(make_app):
 def test_an_ejected_replica_is_not_capacity(make_app):
     """The router would send nothing to an ejected replica (and everything, in panic, once the other leaves)."""
     client, replicas, _registry = make_app(maintenance={"min_ready_wait_seconds": 0.2})
-    client.app.state.router.eject("replica-1", "5 consecutive failures")
+    context_of(client.app).gateway.router.eject("replica-1", "5 consecutive failures")
     refused = client.post("/admin/replicas/replica-0/restart", headers=AUTH)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "min_ready_replicas"
     assert client.post("/admin/replicas/replica-0/drain", headers=AUTH).status_code == 409

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.cli import main
+from appliance.context import context_of
 from appliance.exit_codes import EXIT_USAGE
 from appliance.maintenance.engine_traffic import EngineCounts, EngineTraffic, parse_counts
 from appliance.settings import ConfigError, Settings, load_settings
@@ -42,7 +43,7 @@ def test_a_node_judges_traffic_by_its_engines_counters_not_its_own_gateway(engin
                    "check_interval_seconds": 3600, "traffic_lookback_seconds": 0.2, "max_request_rate": 0.5,
                    "coordinator_url": "http://127.0.0.1:9"}
     with node_app(replicas, **window_open) as client:
-        scheduler = client.app.state.maintenance.scheduler
+        scheduler = context_of(client.app).maintenance.scheduler
         client.portal.call(scheduler.check)
         engine.finished += 40  # other gateways' requests, straight to the engine
         engine.running = 2
@@ -50,7 +51,7 @@ def test_a_node_judges_traffic_by_its_engines_counters_not_its_own_gateway(engin
         decision = client.portal.call(scheduler.check)
         assert decision.startswith("waiting: request rate"), decision
         assert scheduler.last_verdict.request_rate > 0.5
-        assert client.app.state.metrics is not None
+        assert context_of(client.app).gateway.metrics is not None
         assert all(r.status.restarts == 0 for r in replicas)
         # and once the engines are quiet over a whole look-back, the same node says low
         time.sleep(0.3)
@@ -64,7 +65,7 @@ def test_engine_waiting_requests_are_the_nodes_queue(engine):
     replicas = fleet([engine.url])
     with node_app(replicas, check_interval_seconds=3600, traffic_lookback_seconds=0.2, max_request_rate=100,
                   max_queue=0) as client:
-        scheduler = client.app.state.maintenance.scheduler
+        scheduler = context_of(client.app).maintenance.scheduler
         engine.waiting = 3
         client.portal.call(scheduler.check)
         time.sleep(0.3)
@@ -165,9 +166,9 @@ def test_a_nodes_restart_drains_what_its_engine_reports_not_only_its_own_request
     engine.running = 2  # two requests from gateway pods on the engine
     with node_app(replicas, check_interval_seconds=3600, restart_ready_timeout_seconds=1) as client:
         # a drain long enough to see it wait; the restart is asked for by an operator
-        client.app.state.maintenance.controller.procedure.timeouts = \
-            client.app.state.maintenance.controller.procedure.timeouts.__class__(
-                drain_seconds=60, ready_seconds=1, min_ready_wait_seconds=1, poll_seconds=0.05)
+        procedure = context_of(client.app).maintenance.controller.procedure
+        procedure.timeouts = procedure.timeouts.__class__(
+            drain_seconds=60, ready_seconds=1, min_ready_wait_seconds=1, poll_seconds=0.05)
         assert client.post("/admin/replicas/replica-0/restart", headers={"authorization": "Bearer t0ken"}
                            ).status_code == 202
         deadline = time.monotonic() + 2.5

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.context import context_of
 from appliance.maintenance.reload import changed_keys
 from appliance.settings import Settings, load_settings
 from tests.maintenance.conftest import AUTH
@@ -94,7 +95,7 @@ def test_a_reload_whose_roll_stops_unstages_what_it_staged(reloadable):
     assert len(stager.staged) == 1 and stager.unstaged == 1
     assert [r.status.restarts for r in stager.replicas] == [1, 0]
     # the running configuration is the previous one again: the same file is a change still to roll, not "nothing"
-    assert client.app.state.maintenance.reloader.current.engine.extra_args == []
+    assert context_of(client.app).maintenance.reloader.current.engine.extra_args == []
     stager.replicas[0].comes_back = True
     again = client.post("/admin/reload", headers=AUTH)
     assert again.status_code == 202 and again.json()["changed"] == ["engine.extra_args"]
@@ -209,11 +210,11 @@ def test_tenants_apply_at_once_and_quota_levels_survive(with_tenants):
     assert complete(client, "key-a") == 429  # still spent: its level survived the new rate
     assert complete(client, "key-b") == 401  # a removed tenant's key is refused at once
     assert complete(client, "key-c") == 200  # a new one works at once
-    state = client.app.state
-    assert state.tenants.get("team-a").priority == 5 and state.tenants.get("team-b") is None
-    assert state.gateway.quotas.get("team-a").requests.capacity == 3
-    assert [t.name for t in state.settings.tenants] == ["team-a", "team-c"]
-    assert state.maintenance.reloader.current.tenants == state.settings.tenants
+    ctx = context_of(client.app)
+    assert ctx.gateway.tenants.get("team-a").priority == 5 and ctx.gateway.tenants.get("team-b") is None
+    assert ctx.gateway.quotas.get("team-a").requests.capacity == 3
+    assert [t.name for t in ctx.live.settings.tenants] == ["team-a", "team-c"]
+    assert ctx.maintenance.reloader.current.tenants == ctx.live.settings.tenants
     # the same file again: nothing changed
     assert client.post("/admin/reload", headers=AUTH).json()["changed"] == []
 
@@ -222,7 +223,7 @@ def test_a_debt_survives_a_reload(with_tenants):
     client, config, _stager = with_tenants
     edit(config, tenants=[{"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 600}])
     assert client.post("/admin/reload", headers=AUTH).status_code == 200
-    quotas = client.app.state.gateway.quotas
+    quotas = context_of(client.app).gateway.quotas
     quotas.get("team-a").tokens.charge(1000)  # the engine reported more than a minute's worth
     edit(config, tenants=[{"name": "team-a", "api_keys": ["key-a", "key-a2"], "tokens_per_minute": 1200}])
     assert client.post("/admin/reload", headers=AUTH).status_code == 200
@@ -237,7 +238,7 @@ def test_flat_api_keys_reload_at_once(with_tenants):
     response = client.post("/admin/reload", headers=AUTH)
     assert response.status_code == 200 and response.json()["changed"] == ["api_keys"]
     assert complete(client, "flat-key") == 200
-    assert client.app.state.tenants.identify("flat-key").name == "default"
+    assert context_of(client.app).gateway.tenants.identify("flat-key").name == "default"
 
 
 def test_a_mixed_reload_applies_tenants_and_still_rolls(with_tenants):

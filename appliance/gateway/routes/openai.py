@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from appliance.context import AppContext, Context
 from appliance.gateway.routing import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from appliance.http.auth import require_api_key
@@ -16,41 +17,41 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=[
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(request: Request) -> ModelList:
-    settings = request.app.state.settings
-    card = ModelCard(id=settings.served_model_name, created=int(request.app.state.started_at),
+async def list_models(ctx: Context) -> ModelList:
+    settings = ctx.live.settings
+    card = ModelCard(id=settings.served_model_name, created=int(ctx.started_at),
                      max_model_len=settings.engine.max_model_len)
     return ModelList(data=[card])
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    _check_common(request, body, body.max_tokens)
-    return await _forward(request, "completions", "/v1/completions", body.stream, render_completion(body.prompt))
+async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
+    _check_common(ctx, body, body.max_tokens)
+    return await _forward(ctx, request, "completions", "/v1/completions", body.stream, render_completion(body.prompt))
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    _check_common(request, body, body.max_completion_tokens or body.max_tokens)
-    return await _forward(request, "chat", "/v1/chat/completions", body.stream, render_chat(body.messages))
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    _check_common(ctx, body, body.max_completion_tokens or body.max_tokens)
+    return await _forward(ctx, request, "chat", "/v1/chat/completions", body.stream, render_chat(body.messages))
 
 
-def _check_common(request: Request, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
-    settings = request.app.state.settings
+def _check_common(ctx: AppContext, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
+    settings = ctx.live.settings
     if body.model is not None and body.model != settings.served_model_name:
         raise APIError(404, f"model '{body.model}' does not exist; this appliance serves "
                             f"'{settings.served_model_name}'", param="model", code="model_not_found")
-    limit = settings.engine.max_model_len
-    if max_tokens is not None and max_tokens > limit:
+    limit = settings.engine.max_model_len  # never None once Settings validated: it is read from the model then
+    if max_tokens is not None and limit is not None and max_tokens > limit:
         raise APIError(400, f"max_tokens {max_tokens} exceeds the model's max_model_len {limit}",
                        param="max_tokens", code="max_tokens_too_large")
-    if request.app.state.draining:
+    if ctx.live.draining:
         raise APIError(503, "the appliance is draining; retry on another instance", code="draining",
                        headers={"Retry-After": "10"})
 
 
-async def _forward(request: Request, route: str, path: str, stream: bool, prompt: str) -> Response:
+async def _forward(ctx: AppContext, request: Request, route: str, path: str, stream: bool, prompt: str) -> Response:
     arrived = request.scope.get("appliance.arrived", time.monotonic())
     body = await request.body()  # cached by Starlette: the exact bytes the client sent
-    return await request.app.state.upstream.forward(request, route, path, body, stream=stream, arrived=arrived,
-                                                     prompt=prompt)
+    return await ctx.gateway.upstream.forward(request, route, path, body, stream=stream, arrived=arrived,
+                                              prompt=prompt)

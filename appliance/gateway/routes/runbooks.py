@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
+from appliance.context import Context
 from appliance.paths import REPO_ROOT, RUNBOOKS_DIR
 from appliance.settings import Settings
 
@@ -50,11 +51,11 @@ def _markdown(path: Path | None) -> Response:
 
 
 @router.get("/", include_in_schema=False)
-async def index(request: Request) -> Response:
+async def index(ctx: Context) -> Response:
     """The runbook index (docs/runbooks/README.md)."""
-    return _markdown(runbook_path("README", runbooks_dir(request.app.state.settings)))
+    return _markdown(runbook_path("README", runbooks_dir(ctx.live.settings)))
 
 
 @router.get("/{alertname}")
-async def runbook(alertname: str, request: Request) -> Response:
-    return _markdown(runbook_path(alertname, runbooks_dir(request.app.state.settings)))
+async def runbook(alertname: str, ctx: Context) -> Response:
+    return _markdown(runbook_path(alertname, runbooks_dir(ctx.live.settings)))
