@@ -9,6 +9,7 @@ up: setup
 # The suite, then the compose stack on podman (its images build in the background meanwhile): scripts/test.
 test: setup tools
 	.venv/bin/ruff check appliance tests bench
+	.venv/bin/mypy
 	scripts/test
 
 # Both compose tests: the stack, and `make up` on a fresh clone in a clean container.
@@ -21,5 +22,7 @@ setup:
 tools:
 	@scripts/setup-tools
 
+# Ruff over the code and its tests, then mypy --strict over appliance/ (pyproject.toml's [tool.mypy]).
 lint: setup
 	.venv/bin/ruff check appliance tests bench
+	.venv/bin/mypy

@@ -10,6 +10,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
@@ -75,7 +76,7 @@ def no_token_message() -> str:
             f"{TOKEN_FILE} (looked in {', '.join(token_dirs())})")
 
 
-def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
+def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict[str, Any]:
     token = admin_token()
     if not token:
         raise AdminError(no_token_message())
@@ -83,7 +84,8 @@ def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
                                      headers={"Authorization": f"Bearer {token}"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"{}")
+            body: dict[str, Any] = json.loads(response.read() or b"{}")
+            return body
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
@@ -96,7 +98,7 @@ def call(url: str, method: str, path: str, *, timeout: float = 30) -> dict:
         raise AdminError(f"{url!r} is not a URL urllib can call: {exc}") from exc
 
 
-def format_status(status: dict) -> str:
+def format_status(status: dict[str, Any]) -> str:
     lines = [f"model {status['model']}  kv-cache {status.get('kv_cache_dtype', 'auto')}  "
              f"ready {status['ready_replicas']}/{len(status['replicas'])}  "
              f"in-flight {status['in_flight']}  queued {status['queue_length']}"
@@ -124,7 +126,7 @@ def format_status(status: dict) -> str:
 TOP_TENANTS = 10
 
 
-def format_tenants(tenants: list[dict], top: int = TOP_TENANTS) -> list[str]:
+def format_tenants(tenants: list[dict[str, Any]], top: int = TOP_TENANTS) -> list[str]:
     """The heaviest tenants (the gateway sends them heaviest first): totals since start and what each holds now.
     Nothing when the only tenant is the default one (no tenants configured): the fleet line says it all."""
     if not tenants or [t["tenant"] for t in tenants] == ["default"]:
@@ -140,7 +142,7 @@ def format_tenants(tenants: list[dict], top: int = TOP_TENANTS) -> list[str]:
     return lines
 
 
-def format_replica_errors(replicas: list[dict]) -> list[str]:
+def format_replica_errors(replicas: list[dict[str, Any]]) -> list[str]:
     """Replicas whose engine could not be started, or that said why they are not serving: the first thing an
     operator needs when a replica stays out of routing (a spawn failure never reaches the engine's log)."""
     lines = []
@@ -153,7 +155,7 @@ def format_replica_errors(replicas: list[dict]) -> list[str]:
     return lines
 
 
-def format_maintenance(m: dict) -> list[str]:
+def format_maintenance(m: dict[str, Any]) -> list[str]:
     """Next window, last restart, what maintenance is doing: the lines a runbook asks the operator to check."""
     def when(unix: float | None) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(unix)) if unix else "never"

@@ -41,7 +41,7 @@ def config_dump(settings: Settings, *, show_secrets: bool = False) -> dict[str, 
     for tenant in data["tenants"]:
         tenant["api_keys"] = [REDACTED] * len(tenant["api_keys"])
     data["engine"]["extra_args"] = redact_argv(settings.engine.extra_args)
-    return _walk(data)
+    return {k: _walk(v) for k, v in data.items()}
 
 
 def redact_argv(argv: list[str]) -> list[str]:

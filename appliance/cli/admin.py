@@ -45,7 +45,7 @@ def _admin_flags(p: argparse.ArgumentParser) -> None:
                         "the admin-token file `appliance up` writes")
 
 
-def _call(url: str, method: str, path: str) -> dict:
+def _call(url: str, method: str, path: str) -> dict[str, Any]:
     """One admin call; its failures are one clear line on stderr: exit code 2 when there is no admin token to
     send (nothing was tried), 1 when the appliance cannot be reached or refuses."""
     from appliance import admin_client

@@ -6,9 +6,12 @@ import argparse
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.exit_codes import EXIT_FAILED
+
+if TYPE_CHECKING:
+    from appliance.settings import Settings
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -38,7 +41,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_command(sub: Any, name: str, help: str, handler: Handler, *, config: bool = False,
                 description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand whose --help shows its meaningful defaults; ``config`` adds the --config flag."""
-    parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description or help,
+                                                     formatter_class=HelpFormatter)
     parser.set_defaults(handler=handler)
     if config:
         parser.add_argument("--config", type=Path, default=None,
@@ -46,7 +50,7 @@ def add_command(sub: Any, name: str, help: str, handler: Handler, *, config: boo
     return parser
 
 
-def load(args: argparse.Namespace):
+def load(args: argparse.Namespace) -> Settings:
     from appliance.settings import load_settings
 
     return load_settings(getattr(args, "config", None))

@@ -252,12 +252,12 @@ def _prompts(args: argparse.Namespace, target: Target) -> tuple[PromptSource, di
     if not counter.exact:
         info["note"] = "prompt lengths are word counts, not tokens: give --tokenizer DIR for exact counts"
     if args.prompts is not None:
-        source: PromptSource = FilePrompts(args.prompts, counter, args.max_tokens)
-        if target.endpoint == "completions" and any(p.text is None for p in source.prompts):
+        from_file = FilePrompts(args.prompts, counter, args.max_tokens)
+        if target.endpoint == "completions" and any(p.text is None for p in from_file.prompts):
             raise PromptError(f"--prompts {args.prompts} has chat messages: use --endpoint chat")
-        info.update(source="file", path=str(args.prompts), count=len(source.prompts),
-                    description=f"{len(source.prompts)} prompts from {args.prompts}")
-        return source, info
+        info.update(source="file", path=str(args.prompts), count=len(from_file.prompts),
+                    description=f"{len(from_file.prompts)} prompts from {args.prompts}")
+        return from_file, info
     source = SyntheticPrompts(counter, args.prompt_tokens, args.seed, args.max_tokens)
     info.update(source="synthetic", target_tokens=args.prompt_tokens, seed=args.seed,
                 counted_per_prompt=source.verify_each,

@@ -100,16 +100,17 @@ def cmd_monitoring_config(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     settings = load(args)
     print(yaml.safe_dump(config_dump(settings, show_secrets=args.show_secrets), sort_keys=False), end="")
-    if args.engines and settings.model is None:
-        print("# engines: no model set; `appliance serve` builds the demo model at start and runs that")
-    elif args.engines:
-        from appliance.engine.supervisor import build_specs
-        from appliance.serve import engine_extra_env
+    if args.engines:
+        if settings.model is None:
+            print("# engines: no model set; `appliance serve` builds the demo model at start and runs that")
+        else:
+            from appliance.engine.supervisor import build_specs
+            from appliance.serve import engine_extra_env
 
-        for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
-            env = " ".join(f"{k}={v}" for k, v in spec.env.items())
-            command = spec.command if args.show_secrets else redact_argv(spec.command)
-            print(f"# {spec.name}: {env} {' '.join(command)}")
+            for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
+                env = " ".join(f"{k}={v}" for k, v in spec.env.items())
+                command = spec.command if args.show_secrets else redact_argv(spec.command)
+                print(f"# {spec.name}: {env} {' '.join(command)}")
     return 0
 
 

@@ -10,6 +10,7 @@ had: ``delta CPU seconds / (delta wall seconds x cores in its placement)``.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -82,14 +83,14 @@ class ComputeCollector(SafeCollector):
     def _gpu_families(self, readings: list[GpuReading]) -> list[Metric]:
         info = GaugeMetricFamily("appliance_gpu_info", "1 per GPU, labelled with its NVML index and model name.",
                                  labels=["gpu", "name"])
-        families = [info]
+        families: list[Metric] = [info]
         for reading in readings:
             info.add_metric([str(reading.index), reading.name], 1.0)
         for attribute, metric, doc in GPU_GAUGES:
-            families.append(_per_gpu(metric, doc, readings, lambda r, a=attribute: getattr(r, a)))
+            families.append(_per_gpu(metric, doc, readings, operator.attrgetter(attribute)))
         for key, metric, doc in GPM_GAUGES:
             if any(key in r.gpm for r in readings):
-                families.append(_per_gpu(metric, doc, readings, lambda r, k=key: r.gpm.get(k)))
+                families.append(_per_gpu(metric, doc, readings, _gpm_value(key)))
         families += self._replica_gpu_families(readings)
         return families
 
@@ -104,8 +105,8 @@ class ComputeCollector(SafeCollector):
             for pid, used in reading.processes:
                 if pid in owners and used is not None:
                     per_replica[owners[pid]] = per_replica.get(owners[pid], 0) + used
-            for replica, used in sorted(per_replica.items()):
-                held.add_metric([replica, str(reading.index)], used)
+            for owner, used in sorted(per_replica.items()):
+                held.add_metric([owner, str(reading.index)], used)
         util = GaugeMetricFamily(
             "appliance_replica_gpu_utilization_ratio", "Mean NVML utilisation (0..1) of the GPUs in a replica's "
             "placement; compare with appliance_engine_process_cpu_ratio to spot a CPU-starved GPU.",
@@ -149,6 +150,11 @@ def _per_gpu(metric: str, doc: str, readings: list[GpuReading],
         if value is not None:
             family.add_metric([str(reading.index)], float(value))
     return family
+
+
+def _gpm_value(key: str) -> Callable[[GpuReading], float | None]:
+    """A reading's GPM metric ``key``; a function of its own, so each one keeps its key."""
+    return lambda reading: reading.gpm.get(key)
 
 
 def _placement_gpus(replica: Replica) -> tuple[int, ...]:

@@ -67,7 +67,7 @@ class EngineCollector(SafeCollector):
 
 
 def _load_families(loads: dict[str, EngineLoad]) -> list[Metric]:
-    families = []
+    families: list[Metric] = []
     for attribute, metric, doc in LOAD_GAUGES:
         family = GaugeMetricFamily(metric, doc, labels=["replica"])
         for name, load in sorted(loads.items()):

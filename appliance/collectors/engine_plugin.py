@@ -158,7 +158,8 @@ def _mallinfo2() -> _Mallinfo2 | None:
         function.restype = _Mallinfo2
         function.argtypes = []
         _state["mallinfo2"] = function
-    return function()
+    info: _Mallinfo2 = function()
+    return info
 
 
 def cuda_stats() -> dict[str, int] | None:
@@ -187,12 +188,10 @@ def cuda_stats() -> dict[str, int] | None:
 
 def _create_time() -> float | None:
     """The process's start time as psutil computes it, so the reader can tell a reused pid from this one."""
-    psutil = sys.modules.get("psutil")
-    if psutil is None:
-        try:
-            import psutil  # vLLM depends on it, so it is installed wherever engines run
-        except ImportError:
-            return None
+    try:
+        import psutil  # vLLM depends on it, so it is installed wherever engines run (imported already, mostly)
+    except ImportError:
+        return None
     try:
         return float(psutil.Process().create_time())
     except Exception:

@@ -166,6 +166,7 @@ class NvmlSource:
         if gpm is None:
             return {}
         nvml = self._nvml
+        assert nvml is not None  # GPM was found through it
         if self._call("gpm", nvml.nvmlGpmSampleGet, handle, gpm.current) is None:
             return gpm.values
         if gpm.previous_at is not None and now - gpm.previous_at < self._gpm_min_interval:
@@ -181,7 +182,7 @@ class NvmlSource:
             nvml = self._nvml
             support = self._call("gpm", getattr(nvml, "nvmlGpmQueryDeviceSupport", _unsupported), handle)
             self._gpm[index] = None
-            if support is not None and getattr(support, "isSupportedDevice", 0):
+            if support is not None and getattr(support, "isSupportedDevice", False):
                 self._gpm[index] = self._call("gpm", _Gpm, nvml)
         return self._gpm[index]
 

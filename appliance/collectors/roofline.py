@@ -29,7 +29,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +45,7 @@ from appliance.model.shape import ShapeError, read_config, shape_from_config
 
 if TYPE_CHECKING:
     from appliance.engine.contract import Replica
+    from appliance.engine.load import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class TokenRateWindows:
 class RooflineCollector(SafeCollector):
     name = "roofline"
 
-    def __init__(self, replicas: Callable[[], Sequence[Replica]], router_load: Callable[[], dict[str, Any]],
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], router_load: Callable[[], Mapping[str, EngineLoad]],
                  settings: CollectorSettings, *, model_dir: Path | None, nvml: NvmlSource,
                  host_peaks: HostPeaks | None, health: CollectorHealth | None = None,
                  clock: Clock = time.monotonic) -> None:
@@ -249,14 +250,14 @@ class RooflineCollector(SafeCollector):
         return page
 
     def _gpu_bandwidth_family(self) -> GaugeMetricFamily | None:
-        readings = [r for r in self._nvml.readings() if r.memory_utilization is not None]
+        readings = [(r.index, u) for r in self._nvml.readings() if (u := r.memory_utilization) is not None]
         if not readings:
             return None
         family = GaugeMetricFamily(
             "appliance_gpu_memory_bandwidth_utilization_ratio", "NVML memory utilisation: fraction of time (0..1) "
             "device memory was being read or written over NVML's last sample period.", labels=["gpu"])
-        for reading in readings:
-            family.add_metric([str(reading.index)], reading.memory_utilization)
+        for index, utilization in readings:
+            family.add_metric([str(index)], utilization)
         return family
 
     def _replica_families(self, facts: ModelFacts | None, sources: set[str]) -> list[Metric]:
@@ -304,7 +305,7 @@ class RooflineCollector(SafeCollector):
         self._rates.retain(names)
         return [peak_bw, peak_flops, step_bytes, mbu, mfu]
 
-    def _step_bytes(self, replica: Replica, facts: ModelFacts, load: Any, sources: set[str]) -> float:
+    def _step_bytes(self, replica: Replica, facts: ModelFacts, load: EngineLoad, sources: set[str]) -> float:
         capacity, kv_source = kv_capacity_bytes(replica, facts, self._settings)
         if capacity is None or load.kv_cache_usage is None:
             return float(facts.weight_bytes)
@@ -324,10 +325,10 @@ class RooflineCollector(SafeCollector):
             readings = {r.index: r for r in self._nvml.readings()}
             peaks = [readings[g].peak_bandwidth_bytes_per_second for g in gpus if g in readings]
             if peaks and all(peaks):
-                bandwidth, bw_source = float(sum(peaks)), "bandwidth_nvml"
+                bandwidth, bw_source = float(sum(p for p in peaks if p is not None)), "bandwidth_nvml"
             per_gpu = [gpu_peak_flops(readings[g].name, bool(facts and facts.int8)) for g in gpus if g in readings]
             if per_gpu and all(per_gpu):
-                flops, flops_source = float(sum(per_gpu)), "flops_datasheet"
+                flops, flops_source = float(sum(f for f in per_gpu if f is not None)), "flops_datasheet"
         elif self._host_peaks is not None:
             cores = replica_cores(replica)
             bandwidth, bw_source = self._host_peaks.bandwidth_for(cores), "bandwidth_probe"

@@ -58,13 +58,38 @@ class NotRestartable(Exception):
 class Replica(Protocol):
     """One engine the gateway can route to."""
 
-    name: str
-    url: str  # base URL of its OpenAI-compatible server, without a trailing slash
-    status: ReplicaStatus
-    placement: Placement | None  # devices it runs on; None when the appliance does not place it
-    restartable: bool  # restart() works (the appliance runs the process)
-    drainable: bool  # drain()/undrain() take it out of and back into routing
-    kv_cache_space_bytes: int | None  # KV-cache space the engine was given, when the appliance set it (CPU)
+    # Read-only properties, not attributes: an implementation may compute them (SupervisedReplica does), and a
+    # Protocol attribute would demand that they be settable.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str:
+        """Base URL of its OpenAI-compatible server, without a trailing slash."""
+        ...
+
+    @property
+    def status(self) -> ReplicaStatus: ...
+
+    @property
+    def placement(self) -> Placement | None:
+        """Devices it runs on; None when the appliance does not place it."""
+        ...
+
+    @property
+    def restartable(self) -> bool:
+        """restart() works (the appliance runs the process)."""
+        ...
+
+    @property
+    def drainable(self) -> bool:
+        """drain()/undrain() take it out of and back into routing."""
+        ...
+
+    @property
+    def kv_cache_space_bytes(self) -> int | None:
+        """KV-cache space the engine was given, when the appliance set it (CPU)."""
+        ...
 
     @property
     def routable(self) -> bool: ...

@@ -127,7 +127,7 @@ class DnsFleet:
         self._interval = interval_seconds
         self._members: dict[str, DiscoveredReplica] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._metrics = DiscoveryMetrics(registry) if registry is not None else None
         self.last_change: float | None = None  # unix time the set of engines last changed
 

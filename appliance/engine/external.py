@@ -28,7 +28,7 @@ class ExternalReplica:
         self.name = f"external-{index}"
         self.url = url.rstrip("/")
         self.status = ReplicaStatus(state=ReplicaState.STARTING)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def routable(self) -> bool:

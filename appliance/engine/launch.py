@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     return 128 - code if code < 0 else code  # a signal death reads as the shell shows it (SIGKILL: 137)
 
 
-def _wait(child: subprocess.Popen, stopping: dict[str, float], grace: float) -> int:
+def _wait(child: subprocess.Popen[bytes], stopping: dict[str, float], grace: float) -> int:
     """Wait for the child; once a stop began, give it ``grace`` seconds, then kill it."""
     while True:
         try:

@@ -117,7 +117,7 @@ class EngineLoadPoller:
         self.on_reading = on_reading
         self.on_poll = on_poll
         self.interval = interval_seconds
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:

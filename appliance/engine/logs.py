@@ -44,7 +44,7 @@ class _FileHandler(_Strict, RotatingFileHandler):
     pass
 
 
-class _StreamHandler(_Strict, logging.StreamHandler):
+class _StreamHandler(_Strict, logging.StreamHandler[TextIO]):
     pass
 
 

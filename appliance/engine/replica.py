@@ -88,8 +88,8 @@ class SupervisedReplica:
         self.status = ReplicaStatus()
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
-        self._proc: subprocess.Popen | None = None
-        self._task: asyncio.Task | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self._staged: ReplicaSpec | None = None
@@ -315,7 +315,7 @@ class SupervisedReplica:
 
     def _next_backoff(self) -> float:
         exponent = self.status.consecutive_crashes - 1
-        return min(self._backoff_max, self._backoff_initial * (2 ** exponent))
+        return min(self._backoff_max, self._backoff_initial * (2.0 ** exponent))
 
     async def _terminate(self) -> None:
         proc = self._proc
@@ -343,7 +343,7 @@ class SupervisedReplica:
             await asyncio.to_thread(pump.close)
 
     @staticmethod
-    async def _wait_exit(proc: subprocess.Popen, seconds: float) -> bool:
+    async def _wait_exit(proc: subprocess.Popen[bytes], seconds: float) -> bool:
         """Poll for the exit without blocking the event loop; True once it exited (and was reaped)."""
         deadline = time.monotonic() + seconds
         while proc.poll() is None:

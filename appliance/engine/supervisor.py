@@ -26,6 +26,7 @@ def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | 
     placements = plan_placements(
         settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
     )
+    assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
     specs = []
     for index, placement in enumerate(placements):
         port = settings.engine_base_port + index

@@ -79,6 +79,7 @@ class ConcurrencyLimits:
 
     def _get(self, name: str) -> AIMDLimit:
         if name not in self._limits:
+            assert self._factory is not None  # its callers ask only when admission control is on
             self._limits[name] = self._factory()
         return self._limits[name]
 
@@ -89,7 +90,7 @@ class _Waiter:
     leaves the ones that failed it), its prompt (prefix affinity when capacity frees up), whose it is and when it
     came (``seq``: FIFO within a tenant, and the whole order when fair share is off)."""
 
-    future: asyncio.Future
+    future: asyncio.Future[Lease]
     exclude: frozenset[str]
     request: RoutingRequest | None
     tenant: Tenant
@@ -218,7 +219,7 @@ class Admission:
         if queue is not None and entry in queue:
             queue.remove(entry)
 
-    def _abandon(self, waiter: asyncio.Future) -> None:
+    def _abandon(self, waiter: asyncio.Future[Lease]) -> None:
         """The waiter leaves the queue; a lease handed to it at the last moment goes back."""
         if waiter.done() and not waiter.cancelled():
             waiter.result().release(Outcome.ABORTED)

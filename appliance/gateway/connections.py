@@ -147,7 +147,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- requests: the connection cap, and headers that were complete but too large ------------------------------
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
-        refused = None
+        refused: tuple[int, str, str, dict[str, str]] | None = None  # status, message, code, headers
         if scope["type"] == "http":
             size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
                 len(name) + len(value) + 4 for name, value in scope["headers"])

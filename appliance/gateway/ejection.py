@@ -93,7 +93,7 @@ class Ejector:
     def due_for_probe(self) -> list[str]:
         """Ejected replicas whose period is over: they return only after a successful probe."""
         now = self._clock()
-        return [name for name, h in self.health.items() if h.ejected and h.ejected_until <= now]
+        return [name for name, h in self.health.items() if h.ejected_until is not None and h.ejected_until <= now]
 
     def probe_result(self, name: str, ok: bool) -> None:
         health = self.health_of(name)
@@ -120,8 +120,8 @@ class Ejector:
     def _record_ttft(self, name: str, health: ReplicaHealth, ttft: float, peers: Iterable[str]) -> None:
         a = self.TTFT_EWMA_ALPHA
         health.ttft_ewma = ttft if health.ttft_ewma is None else (1 - a) * health.ttft_ewma + a * ttft
-        others = [self.health_of(p).ttft_ewma for p in peers if p != name]
-        others = [o for o in others if o is not None]
+        readings = [self.health_of(p).ttft_ewma for p in peers if p != name]
+        others = [o for o in readings if o is not None]
         if not others:
             return  # an outlier needs peers to be an outlier against; never eject the last replica
         median = statistics.median(others)

@@ -84,7 +84,7 @@ class RequestMetrics:
             scope[COUNTED] = True
             self.requests.labels(route, str(status)).inc()
 
-    def observe_usage(self, usage: dict | None) -> None:
+    def observe_usage(self, usage: dict[str, Any] | None) -> None:
         if not usage:
             return
         self.tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)

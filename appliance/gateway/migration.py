@@ -356,7 +356,10 @@ class StreamLedger:
         if self.finish_reason is None:
             self.finish_reason = "length"
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
-            choice.update({"delta": {}} if self.route == "chat" else {"text": ""})
+            if self.route == "chat":
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
             out += sse({"id": self.stream_id, "object": self._object(), "created": self.created,
                         "model": self.model, "choices": [choice]})
         if self._wants_usage() and not self.usage_sent:

@@ -50,6 +50,10 @@ class PrefixScorerSettings(BaseModel):
     )
 
 
+def _default_tie_breakers() -> list[ScorerName]:
+    return ["kv_cache", "queue"]
+
+
 class RoutingScorerSettings(BaseModel):
     """How the router picks among the replicas the filters left: weighted scorers, or round robin."""
 
@@ -60,7 +64,7 @@ class RoutingScorerSettings(BaseModel):
     )
     weights: ScorerWeights = Field(default_factory=ScorerWeights)
     tie_breakers: Annotated[list[ScorerName], NoDecode] = Field(
-        default_factory=lambda: ["kv_cache", "queue"],
+        default_factory=_default_tie_breakers,
         description="Scorers that order equal weighted totals, in turn; then the lower replica index.",
     )
     prefix: PrefixScorerSettings = Field(default_factory=PrefixScorerSettings)

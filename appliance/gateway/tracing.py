@@ -18,11 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from appliance.settings import Settings
 
@@ -42,7 +44,7 @@ def build_tracer_provider(settings: Settings, exporter: SpanExporter | None = No
     return provider
 
 
-def extract_context(headers: Mapping[str, str]):
+def extract_context(headers: Mapping[str, str]) -> Context:
     """The caller's trace context from its ``traceparent``/``tracestate`` headers, if any."""
     return PROPAGATOR.extract(carrier=dict(headers))
 
@@ -60,7 +62,7 @@ def current_span() -> trace.Span:
 def is_sampled(traceparent: str | None) -> bool:
     """The W3C trace-flags' sampled bit of an incoming ``traceparent``: the caller asks for a sampling decision
     (the gateway's sampler makes it; the flag itself decides nothing)."""
-    return bool(traceparent) and traceparent.endswith("-01")
+    return traceparent is not None and traceparent.endswith("-01")
 
 
 class RequestTrace:
@@ -77,8 +79,8 @@ class RequestTrace:
         self._tracer = tracer
         self._incoming = {k: v for k in ("traceparent", "tracestate") if (v := headers.get(k))}
         self.recording = recording or is_sampled(self._incoming.get("traceparent"))
+        self.root: trace.Span = trace.INVALID_SPAN
         if not self.recording:
-            self.root = trace.INVALID_SPAN
             self._open: list[trace.Span] = []
             return
         self.root = tracer.start_span(f"gateway {route}", context=extract_context(headers),
@@ -86,7 +88,8 @@ class RequestTrace:
         self._ctx = trace.set_span_in_context(self.root)
         self._open = []
 
-    def child(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL, **attributes) -> trace.Span:
+    def child(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+              **attributes: AttributeValue) -> trace.Span:
         if not self.recording:
             return trace.INVALID_SPAN
         span = self._tracer.start_span(name, context=self._ctx, kind=kind, attributes=attributes)
@@ -105,7 +108,8 @@ class RequestTrace:
         if not self.recording:
             return
         for span in self._open:
-            if span.is_recording() and span.end_time is None:
+            # The SDK's tracer makes every recording span: a ReadableSpan, which knows whether it ended.
+            if span.is_recording() and isinstance(span, ReadableSpan) and span.end_time is None:
                 span.end()
         self.root.set_attribute("http.response.status_code", status_code)
         if status_code >= 500:

@@ -47,7 +47,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -71,7 +71,7 @@ def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None,
     ``on_error(path, scope, status)`` sees each one (the request counter). ``translate`` turns other packages'
     domain errors (maintenance's refusals) into APIErrors, so they take the same path."""
 
-    def answer(request: Request, status: int, message: str, **kwargs) -> JSONResponse:
+    def answer(request: Request, status: int, message: str, **kwargs: Any) -> JSONResponse:
         if on_error is not None:
             on_error(request.url.path, request.scope, status)
         return error_response(status, message, **kwargs)
@@ -81,7 +81,8 @@ def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None,
         return answer(request, exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     for error_type, to_api_error in (translate or {}).items():
-        async def _translated(request: Request, exc: Exception, to_api_error=to_api_error) -> JSONResponse:
+        async def _translated(request: Request, exc: Exception,
+                              to_api_error: Callable[[Exception], APIError] = to_api_error) -> JSONResponse:
             return await _api_error(request, to_api_error(exc))
 
         app.add_exception_handler(error_type, _translated)

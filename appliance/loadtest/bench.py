@@ -162,7 +162,7 @@ def _tokens(ok: Sequence[RequestResult]) -> dict[str, Any]:
     with_usage = [r for r in ok if r.prompt_tokens is not None]
     targeted = [r for r in with_usage if r.target_prompt_tokens is not None]
     return {
-        "prompt_reported": summarize([r.prompt_tokens for r in with_usage]),
+        "prompt_reported": summarize([r.prompt_tokens for r in ok if r.prompt_tokens is not None]),
         "completion": summarize([r.output_tokens for r in ok]),
         "usage_reported_fraction": len(with_usage) / max(1, len(ok)),
         "prompt_target_match_fraction": (sum(r.prompt_tokens == r.target_prompt_tokens for r in targeted)

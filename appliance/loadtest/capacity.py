@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from appliance.loadtest.bench import (
     SLO,
@@ -37,7 +37,7 @@ MIN_WINDOW_REQUESTS = 10
 
 # (series, direction that is bad, tolerance, absolute, min change): latency and throughput within 10% of the
 # start (latency changes under 5 ms are jitter), host and device memory within 5%, KV occupancy within 0.05.
-DRIFT_SERIES = (
+DRIFT_SERIES: tuple[tuple[str, Literal["up", "down"], float, bool, float], ...] = (
     ("ttft_p95_s", "up", 0.10, False, 0.005),
     ("e2e_p95_s", "up", 0.10, False, 0.005),
     ("output_tokens_per_s", "down", 0.10, False, 0.0),
@@ -361,9 +361,9 @@ def soak_windows(measured: Sequence[RequestResult], readings: Sequence[Reading],
         windows.append({
             "index": i, "start_s": lo - start, "end_s": hi - start, "t_mid_s": (lo + hi) / 2 - start,
             "requests": len(reqs), "errors": len(reqs) - len(ok),
-            "ttft_p50_s": percentile([r.ttft for r in ok], 50) if enough else None,
-            "ttft_p95_s": percentile([r.ttft for r in ok], 95) if enough else None,
-            "e2e_p95_s": percentile([r.e2e for r in ok], 95) if enough else None,
+            "ttft_p50_s": percentile([r.ttft for r in ok if r.ttft is not None], 50) if enough else None,
+            "ttft_p95_s": percentile([r.ttft for r in ok if r.ttft is not None], 95) if enough else None,
+            "e2e_p95_s": percentile([r.e2e for r in ok if r.e2e is not None], 95) if enough else None,
             "output_tokens_per_s": sum(r.output_tokens for r in done) / max(hi - lo, 1e-9),
             **_scraped_means(readings, lo, hi),
         })

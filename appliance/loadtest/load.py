@@ -19,6 +19,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from appliance.loadtest.client import Clock, RequestResult
 from appliance.loadtest.stats import percentile
@@ -204,12 +205,12 @@ async def run_load(spec: LoadSpec, send: SendFn, clock: Clock, on_result: Result
     try:
         await asyncio.wait({done, *drivers}, return_when=asyncio.FIRST_COMPLETED)
         for task in drivers:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # a bug in a driver must not look like a slow server
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error  # a bug in a driver must not look like a slow server
         if phases.error is not None:
             raise phases.error
     finally:
-        pending = [done, watcher, *drivers, *inflight]
+        pending: list[asyncio.Task[Any]] = [done, watcher, *drivers, *inflight]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -37,8 +38,8 @@ class Annotator:
         self._token_file = token_file
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._max_pending = max_pending
-        self._pending: deque[dict] = deque()
-        self._sender: asyncio.Task | None = None
+        self._pending: deque[dict[str, Any]] = deque()
+        self._sender: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._dropped_in_burst = 0
         self._failing = False  # the last post failed: further failures are logged at debug until one succeeds
@@ -79,7 +80,7 @@ class Annotator:
                         self.dropped)
             self._dropped_in_burst = 0
 
-    async def _post(self, body: dict) -> None:
+    async def _post(self, body: dict[str, Any]) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:

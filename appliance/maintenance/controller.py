@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import aiohttp
 
@@ -70,7 +71,7 @@ class MaintenanceController:
         self.restarting: set[str] = set()
         self.last_action: ActionRecord | None = None
         self.last_restart: dict[str, float] = {}  # replica -> unix time it was last restarted by maintenance
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Outcome]] = set()
 
     # -- what is going on -------------------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class MaintenanceController:
     def busy(self) -> bool:
         return self.rolling is not None or bool(self.restarting)
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         return {
             "rolling_restart_in_progress": self.rolling is not None,
             "rolling_restart_current": self.rolling.current if self.rolling else None,
@@ -90,7 +91,7 @@ class MaintenanceController:
     # -- actions ----------------------------------------------------------------------------------------------
 
     def start_rolling_restart(self, trigger: str, reason: str = "",
-                              then: Callable[[Outcome], None] | None = None) -> asyncio.Task:
+                              then: Callable[[Outcome], None] | None = None) -> asyncio.Task[Outcome]:
         """Run a rolling restart in the background; MaintenanceBusy if maintenance is already under way,
         LastRoutableReplica if an alert asks it of a single replica. ``then(outcome)`` runs when it ends, before
         the controller takes the next action (a reload undoes its staging there, no other reload in between)."""
@@ -113,7 +114,7 @@ class MaintenanceController:
             raise LastRoutableReplica("rolling restart refused: the only replica is the last routable one, and "
                                       "alerts never take that (an operator can, through the admin API)")
 
-    def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task:
+    def start_restart(self, name: str, trigger: str, reason: str = "") -> asyncio.Task[Outcome]:
         """Drain, restart, warm and undrain one replica in the background (ReplicaNotFound, MaintenanceBusy,
         NotSupervised, BelowMinReady, LastRoutableReplica when it cannot)."""
         replica = self.replica(name)
@@ -187,6 +188,7 @@ class MaintenanceController:
                                 else ""), ["maintenance", "rolling_restart", trigger, "begin"])
         outcome = Outcome("aborted", "cancelled")  # what ``then`` hears if the appliance stops meanwhile
         try:
+            assert self.rolling is not None  # set by start_rolling_restart; cleared only below
             outcome = await self.rolling.run()
         except Exception as exc:
             outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
@@ -220,7 +222,7 @@ class MaintenanceController:
             self.last_restart[replica.name] = time.time()
         self.record("restart", trigger, outcome.result, replica=replica.name, detail=outcome.detail)
 
-    def _spawn(self, coroutine, name: str) -> asyncio.Task:
+    def _spawn(self, coroutine: Coroutine[Any, Any, Outcome], name: str) -> asyncio.Task[Outcome]:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -252,7 +254,8 @@ class MaintenanceController:
                 raise NotSupervised(f"{replica.name} is not supervised by this appliance")
 
 
-def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float = 30.0):
+def http_warmer(model: str, prompt: str, max_tokens: int,
+                timeout_seconds: float = 30.0) -> Callable[[Replica], Awaitable[bool]]:
     """One small completion straight to the replica (it is not routable yet); True on a 200."""
 
     async def warm(replica: Replica) -> bool:

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -171,7 +171,7 @@ class LeaseBoard:
             self.lease = None
         return self.lease
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         current = self.live()
         return {"holder": current.holder if current else None,
                 "engines": sorted(current.engines) if current else [],

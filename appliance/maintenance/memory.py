@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.engine.contract import Replica
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +82,8 @@ class MemoryWatch:
         return reading.resident_bytes / lowest - 1 if lowest > 0 else None
 
 
-def process_memory_reader(replicas, stats_dir, *, max_age_seconds: float) -> Callable[[], dict[str, MemoryReading]]:
+def process_memory_reader(replicas: Callable[[], Sequence[Replica]], stats_dir: Path, *,
+                          max_age_seconds: float) -> Callable[[], dict[str, MemoryReading]]:
     """Readings from the replicas' process trees and the engine plugin's allocator files."""
     from appliance.collectors.memory import AllocatorStatsReader
     from appliance.collectors.procs import ProcessTable

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from appliance.engine.contract import Replica, ReplicaStatus
-from appliance.maintenance.coordination import LocalCoordinator, RestartCoordinator, hold_lease
+from appliance.maintenance.coordination import LeaseAnswer, LocalCoordinator, RestartCoordinator, hold_lease
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,11 @@ class RollingRestart:
         restarted: list[str] = []
         for replica in replicas:
             others = [r for r in replicas if r is not replica]
-            enough = await self.procedure.wait_until(lambda others=others: self._serving(others) >= needed,
-                                                     self.procedure.timeouts.min_ready_wait_seconds)
+
+            def others_enough(others: Sequence[Replica] = others) -> bool:
+                return self._serving(others) >= needed
+
+            enough = await self.procedure.wait_until(others_enough, self.procedure.timeouts.min_ready_wait_seconds)
             if not enough:
                 return Outcome("skipped", f"fewer than {needed} other replica(s) routable and not ejected; "
                                f"{replica.name} and the rest not restarted", tuple(restarted))
@@ -174,7 +177,7 @@ class RollingRestart:
             restarted.append(replica.name)
         return Outcome("ok", f"restarted {', '.join(restarted)}", tuple(restarted))
 
-    async def _lease(self, replica: Replica):
+    async def _lease(self, replica: Replica) -> LeaseAnswer:
         """Ask the coordinator until it grants, for up to ``min_ready_wait_seconds``; the last answer."""
         clock, sleep = self.procedure.clock, self.procedure.sleep
         deadline = clock() + self.procedure.timeouts.min_ready_wait_seconds

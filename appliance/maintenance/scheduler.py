@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
@@ -123,6 +124,7 @@ class MaintenanceScheduler:
                 self._memory_restart_at = tick
                 trigger = "schedule"
         else:
+            assert window_start is not None  # nothing wanted: only a window that is due gets here
             trigger, reason = "schedule", f"maintenance window {window_start.isoformat()}"
         if window_start is not None:
             self._window_done = window_start  # a wanted restart inside the window counts as the window's one
@@ -154,7 +156,7 @@ class MaintenanceScheduler:
         current = self.window.current_start(now)
         return current if current is not None and current != self._window_done else self.window.next_start(now)
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         upcoming = self.next_window()
         verdict = self.last_verdict
         return {

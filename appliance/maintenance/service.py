@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -52,7 +53,7 @@ class Maintenance:
         self.scheduler.stop()
         await self.controller.close()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         leases = {"restart_lease": self.leases.status()} if self.leases is not None else {}
         return {**self.scheduler.status(), **self.controller.status(), **leases}
 
@@ -83,6 +84,7 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
     timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
+    assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
     warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens)
     annotator = annotator or Annotator(m.grafana_url, m.grafana_token, m.grafana_token_file)
     requests_total, queue_length, refresh_traffic = data_path.requests_total, data_path.queue_length, None

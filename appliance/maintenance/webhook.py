@@ -139,9 +139,12 @@ class AlertActions:
             except ReplicaNotFound as exc:
                 if action == "restart":
                     return decided("skipped", label, exc.message)
-        if action == "restart" and replica is None:
-            return decided("skipped", None, "alert has no replica label")
-        target = replica if action == "restart" else "all"
+        if action == "restart":
+            if replica is None:
+                return decided("skipped", None, "alert has no replica label")
+            target = replica
+        else:
+            target = "all"
         last = self._last_run.get((action, target))
         if last is not None and now - last < self.min_interval_seconds:
             return decided("rate_limited", target, f"{action} of {target} ran {now - last:.0f}s ago "

@@ -8,7 +8,7 @@ time.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -45,6 +45,7 @@ class MaintenanceWindow:
     cron: str
     duration_seconds: float
     timezone: str = "UTC"
+    _trigger: CronTrigger = field(init=False, repr=False, compare=False)  # built from the fields above
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_trigger", cron_trigger(self.cron, self.timezone))
@@ -55,7 +56,7 @@ class MaintenanceWindow:
 
     def current_start(self, now: datetime) -> datetime | None:
         """The start of the window ``now`` is in, or None when outside every window."""
-        start = self._trigger.get_next_fire_time(None, _aware(now) - self.duration)
+        start: datetime | None = self._trigger.get_next_fire_time(None, _aware(now) - self.duration)
         if start is not None and start <= _aware(now) < start + self.duration:
             return start
         return None
@@ -65,7 +66,8 @@ class MaintenanceWindow:
 
     def next_start(self, now: datetime) -> datetime | None:
         """The start of the next window strictly after ``now`` (None if the expression never fires again)."""
-        return self._trigger.get_next_fire_time(None, _aware(now) + timedelta(seconds=1))
+        start: datetime | None = self._trigger.get_next_fire_time(None, _aware(now) + timedelta(seconds=1))
+        return start
 
 
 def _aware(moment: datetime) -> datetime:

@@ -26,10 +26,15 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.files import replace_folder
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 # --- shape -------------------------------------------------------------------------------------------------
 HIDDEN_SIZE = 256
@@ -118,7 +123,7 @@ def heldout_text() -> str:
 # --- tokenizer -------------------------------------------------------------------------------------------------
 
 
-def train_tokenizer(documents: list[str]):
+def train_tokenizer(documents: list[str]) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style) so every string encodes without unknowns and decodes back exactly.
 
     Encoding prepends BOS, matching what Llama tokenizers do, so prompts sent to vLLM's /v1/completions look
@@ -151,7 +156,7 @@ def train_tokenizer(documents: list[str]):
     return tokenizer
 
 
-def _write_tokenizer(tokenizer, out_dir: Path) -> None:
+def _write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
     """Write the files AutoTokenizer and vLLM look for, with the chat template inside tokenizer_config.json."""
     tokenizer.save(str(out_dir / "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
@@ -171,7 +176,7 @@ def _write_tokenizer(tokenizer, out_dir: Path) -> None:
 # --- model -----------------------------------------------------------------------------------------------------
 
 
-def demo_config():
+def demo_config() -> LlamaConfig:
     """The demo model's LlamaConfig (see the module docstring for why this shape)."""
     from transformers import LlamaConfig
 
@@ -192,7 +197,7 @@ def demo_config():
     )
 
 
-def _encode_documents(tokenizer, documents: list[str]) -> torch.Tensor:
+def _encode_documents(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
     """One long token stream: BOS page EOS BOS page EOS ..., so the model learns where text starts and stops."""
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(documents):
@@ -213,14 +218,14 @@ def _lr_at(step: int, max_steps: int) -> float:
     return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
+def _next_token_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``batch`` [B, T+1]."""
     logits = model(input_ids=batch[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 @torch.no_grad()
-def _heldout_loss(model, stream: torch.Tensor) -> float:
+def _heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor) -> float:
     """Mean loss over consecutive non-overlapping windows of the held-out stream."""
     model.eval()
     n = (len(stream) - 1) // SEQ_LEN
@@ -232,7 +237,8 @@ def _heldout_loss(model, stream: torch.Tensor) -> float:
     return sum(losses) / n
 
 
-def _train(model, stream: torch.Tensor, *, max_steps: int, deadline: float, seed: int) -> tuple[int, float]:
+def _train(model: LlamaForCausalLM, stream: torch.Tensor, *, max_steps: int, deadline: float,
+           seed: int) -> tuple[int, float]:
     """Train on random windows of ``stream`` until ``max_steps`` or ``deadline``; return (steps, recent loss)."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
@@ -270,7 +276,7 @@ def build_demo_model(
     seed: int = 0,
     max_steps: int = DEFAULT_MAX_STEPS,
     overwrite: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     """Train the demo model and write it to ``out_dir`` as a bf16 Hugging Face checkpoint.
 
     The checkpoint is assembled in a hidden sibling directory and renamed into place only when complete, so
@@ -400,5 +406,5 @@ def make_readable(directory: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

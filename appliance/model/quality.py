@@ -25,11 +25,14 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.model.precision import Scheme, dequantize
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 EVAL_MAX_TOKENS = 512
 EVAL_WINDOW = 128
@@ -54,7 +57,8 @@ class TensorSource:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise QualityError(f"the checkpoint has no tensor {name}; cannot evaluate (pass evaluate=False)")
-        return self._where[name].get_tensor(name)
+        tensor: torch.Tensor = self._where[name].get_tensor(name)
+        return tensor
 
 
 class _Captured(Exception):  # noqa: N818 - control flow, not an error
@@ -121,7 +125,8 @@ def evaluate_quality(src: Path, quantized_dir: Path, text: str, *, scheme: Schem
     }
 
 
-def _token_windows(tokenizer, text: str, *, max_tokens: int, window: int) -> list[torch.Tensor]:
+def _token_windows(tokenizer: PreTrainedTokenizerBase, text: str, *, max_tokens: int,
+                   window: int) -> list[torch.Tensor]:
     """Consecutive windows of the text's tokens, each prefixed with BOS (when the tokenizer has one)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][:max_tokens]
     if len(ids) < 2:
@@ -130,7 +135,7 @@ def _token_windows(tokenizer, text: str, *, max_tokens: int, window: int) -> lis
     return [torch.tensor(prefix + ids[i : i + window]) for i in range(0, len(ids), window) if len(ids[i:]) > 1]
 
 
-def _skeleton(config, source: TensorSource) -> tuple[torch.nn.Module, str, type]:
+def _skeleton(config: PretrainedConfig, source: TensorSource) -> tuple[PreTrainedModel, str, type[torch.nn.Module]]:
     """The model with its decoder layers reduced to a catcher, everything else loaded in float32; the name of
     its layer list and the class of its layers."""
     from transformers import AutoModelForCausalLM
@@ -166,7 +171,7 @@ def _decoder_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
                        "(pass evaluate=False)")
 
 
-def _layer_inputs(model: torch.nn.Module, layers_name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _layer_inputs(model: torch.nn.Module, layers_name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     """The first decoder layer's hidden states and keyword arguments (mask, positions) for one window."""
     try:
         model(input_ids=ids[None], use_cache=False)
@@ -176,7 +181,7 @@ def _layer_inputs(model: torch.nn.Module, layers_name: str, ids: torch.Tensor) -
 
 
 @contextmanager
-def _decoder_layer(layer_class: type, config, index: int, source: TensorSource,
+def _decoder_layer(layer_class: type[torch.nn.Module], config: PretrainedConfig, index: int, source: TensorSource,
                    prefix: str) -> Iterator[torch.nn.Module]:
     """Decoder layer ``index`` alone, in float32, loaded from the checkpoint; dropped on exit."""
     from transformers.initialization import no_init_weights
@@ -192,7 +197,8 @@ def _decoder_layer(layer_class: type, config, index: int, source: TensorSource,
 
 def _run(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
     out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    hidden_out: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return hidden_out
 
 
 @contextmanager
@@ -215,7 +221,7 @@ def _simulated(layer: torch.nn.Module, quantized: TensorSource, prefix: str, sch
             hook.remove()
 
 
-def _logits(model: torch.nn.Module, streams: list[torch.Tensor]) -> torch.Tensor:
+def _logits(model: PreTrainedModel, streams: list[torch.Tensor]) -> torch.Tensor:
     """Final norm and LM head over every window's last hidden states: [positions with a next token, vocab]."""
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is None:

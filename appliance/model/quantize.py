@@ -27,6 +27,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,9 +53,9 @@ class _Source:
     """What validation learned about the source checkpoint."""
 
     path: Path
-    config: dict
+    config: dict[str, Any]
     shards: list[str]  # safetensors file names, in order
-    index: dict | None  # the parsed index file when the checkpoint is sharded
+    index: dict[str, Any] | None  # the parsed index file when the checkpoint is sharded
 
 
 # --- public API ------------------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def quantize_checkpoint(
     scheme: str = "int8",
     eval_text: str | None = None,
     evaluate: bool = True,
-) -> dict:
+) -> dict[str, Any]:
     """Write a W8A8 copy of the checkpoint at ``src`` to ``dst`` and report size and quality.
 
     ``scheme`` is ``int8``, ``fp8`` or ``auto`` (FP8 where NVML reports compute capability >= 8.9, else INT8);
@@ -93,7 +94,7 @@ def quantize_checkpoint(
         quantized = _write_weights(source, tmp, choice.scheme)
         _write_config(source, tmp, choice.scheme)
         _copy_side_files(src, tmp)
-        result = {
+        result: dict[str, Any] = {
             "src": str(src),
             "dst": str(dst),
             "scheme": choice.scheme.name,
@@ -167,7 +168,7 @@ def _inspect_source(src: Path) -> _Source:
     return _Source(path=src, config=config, shards=shards, index=index)
 
 
-def _check_causal_lm(src: Path, config: dict) -> None:
+def _check_causal_lm(src: Path, config: dict[str, Any]) -> None:
     """Require a *ForCausalLM architecture that this transformers version knows how to build."""
     architectures = config.get("architectures") or []
     if not any(isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures):
@@ -185,7 +186,7 @@ def _check_causal_lm(src: Path, config: dict) -> None:
         )
 
 
-def _find_shards(src: Path) -> tuple[list[str], dict | None]:
+def _find_shards(src: Path) -> tuple[list[str], dict[str, Any] | None]:
     """The safetensors files that make up the weights (sharded index first, then a single file)."""
     index_path = src / INDEX_FILE
     if index_path.is_file():

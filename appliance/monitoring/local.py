@@ -30,7 +30,7 @@ class Service:
     url: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
 
 @dataclass

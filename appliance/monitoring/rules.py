@@ -26,12 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from appliance.gateway.metrics import LATENCY_BUCKETS
 from appliance.monitoring import files
-from appliance.monitoring.config import (
-    ALERTS_DIR,
-    MonitoringConfig,
-    MonitoringConfigError,
-    parse_config,
-)
+from appliance.monitoring.config import MonitoringConfig, MonitoringConfigError, parse_config
+from appliance.paths import ALERTS_DIR
 
 RECORDING_FILE = "recording.rules.yaml"
 ALERTING_FILE = "alerts.rules.yaml"
@@ -73,7 +69,8 @@ def fill(text: str, **params: object) -> str:
 
 def _le(seconds: float) -> str:
     """The ``le`` label value prometheus_client writes for a bucket bound (0.8 -> "0.8", 1 -> "1.0")."""
-    return floatToGoString(float(seconds))
+    label: str = floatToGoString(float(seconds))
+    return label
 
 
 def recording_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
@@ -229,147 +226,147 @@ def cause_alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - on
         summary="Replica {{ $labels.replica }} is out of service (starting, unhealthy or crashed).",
         description="{{ $labels.replica }} has not been ready for " + knobs.ApplianceReplicaNotReady.for_
                     + "; the other replicas carry its load."))
-    c = knobs.ApplianceKVCacheNearFull
+    kv = knobs.ApplianceKVCacheNearFull
     out.append(Alert(
         "ApplianceKVCacheNearFull",
-        f"avg_over_time(appliance_engine_kv_cache_usage_ratio{{{app}}}[{c.window}]) > {c.threshold}",
-        "warning", for_=c.for_,
+        f"avg_over_time(appliance_engine_kv_cache_usage_ratio{{{app}}}[{kv.window}]) > {kv.threshold}",
+        "warning", for_=kv.for_,
         summary="KV cache of {{ $labels.replica }} is nearly full.",
         description="{{ $labels.replica }} used {{ $value | humanizePercentage }} of its KV-cache blocks on "
-                    f"average over {c.window}: new sequences wait and running ones get preempted."))
-    c = knobs.ApplianceQueueBacklog
+                    f"average over {kv.window}: new sequences wait and running ones get preempted."))
+    queue = knobs.ApplianceQueueBacklog
     out.append(Alert(
-        "ApplianceQueueBacklog", f"avg_over_time(appliance_queue_length{{{app}}}[{c.window}]) > {c.threshold}",
-        "warning", for_=c.for_,
+        "ApplianceQueueBacklog", f"avg_over_time(appliance_queue_length{{{app}}}[{queue.window}]) > {queue.threshold}",
+        "warning", for_=queue.for_,
         summary="Requests are queueing in the gateway.",
         description="On average {{ $value | printf \"%.1f\" }} requests waited in the admission queue of "
-                    f"{{{{ $labels.instance }}}} over {c.window}: demand exceeds the replicas' concurrency "
+                    f"{{{{ $labels.instance }}}} over {queue.window}: demand exceeds the replicas' concurrency "
                     "limits."))
-    c = knobs.ApplianceLoadShedding
+    shedding = knobs.ApplianceLoadShedding
     out.append(Alert(
-        "ApplianceLoadShedding", f"job:appliance_admission_rejections:ratio_rate5m{{{app}}} > {c.threshold}",
-        "warning", for_=c.for_,
+        "ApplianceLoadShedding", f"job:appliance_admission_rejections:ratio_rate5m{{{app}}} > {shedding.threshold}",
+        "warning", for_=shedding.for_,
         summary="The gateway is shedding load with 429.",
         description="{{ $value | humanizePercentage }} of requests were rejected by admission control (429 + "
                     "Retry-After) over the last 5m: capacity is short of demand."))
-    c = knobs.AppliancePreemptionStorm
+    preemption = knobs.AppliancePreemptionStorm
     out.append(Alert(
         "AppliancePreemptionStorm",
-        f"sum by (job, model, replica) (rate(vllm:num_preemptions_total{{{vllm}}}[{c.window}])) "
-        f"> {c.threshold}",
-        "warning", for_=c.for_,
+        f"sum by (job, model, replica) (rate(vllm:num_preemptions_total{{{vllm}}}[{preemption.window}])) "
+        f"> {preemption.threshold}",
+        "warning", for_=preemption.for_,
         summary="vLLM on {{ $labels.replica }} keeps preempting sequences.",
         description="{{ $labels.replica }} preempted {{ $value | printf \"%.2f\" }} sequences per second over "
-                    f"{c.window}: its KV cache cannot hold the running batch, so work is recomputed."))
-    c = knobs.ApplianceComputeSaturated
+                    f"{preemption.window}: its KV cache cannot hold the running batch, so work is recomputed."))
+    busy = knobs.ApplianceComputeSaturated
     out.append(Alert(
         "ApplianceComputeSaturated",
-        f"avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{c.window}]) > {c.threshold}\n"
-        f"or\n(\n  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{c.window}]) > {c.threshold}\n"
+        f"avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{busy.window}]) > {busy.threshold}\n"
+        f"or\n(\n  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{busy.window}]) > {busy.threshold}\n"
         f"  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{{app}}}\n)\n",
-        "warning", for_=c.for_,
+        "warning", for_=busy.for_,
         summary="Compute of {{ $labels.replica }} is saturated.",
         description="{{ $labels.replica }}'s accelerator (GPU, or its pinned CPU cores on a CPU host) was "
-                    f"{{{{ $value | humanizePercentage }}}} busy on average over {c.window}: more load will "
+                    f"{{{{ $value | humanizePercentage }}}} busy on average over {busy.window}: more load will "
                     "only add latency."))
-    c = knobs.ApplianceBandwidthBound
+    mbu = knobs.ApplianceBandwidthBound
     out.append(Alert(
-        "ApplianceBandwidthBound", f"avg_over_time(appliance_mbu_ratio{{{app}}}[{c.window}]) > {c.threshold}",
-        "warning", for_=c.for_,
+        "ApplianceBandwidthBound", f"avg_over_time(appliance_mbu_ratio{{{app}}}[{mbu.window}]) > {mbu.threshold}",
+        "warning", for_=mbu.for_,
         summary="Decode on {{ $labels.replica }} is memory-bandwidth bound.",
         description="Model bandwidth utilisation of {{ $labels.replica }} was {{ $value | humanizePercentage }} "
-                    f"over {c.window}: decode is at the memory roofline, larger batches will not raise "
+                    f"over {mbu.window}: decode is at the memory roofline, larger batches will not raise "
                     "throughput."))
-    c = knobs.ApplianceAcceleratorStarved
-    w = c.window
+    starved = knobs.ApplianceAcceleratorStarved
+    w = starved.window
     out.append(Alert(
         "ApplianceAcceleratorStarved",
         f"(\n(\n  max by ({by}) (avg_over_time(appliance_engine_process_cpu_ratio"
-        f'{{{app},process=~"api_server|engine_core"}}[{w}])) > {c.feeder_cpu_threshold}\n'
+        f'{{{app},process=~"api_server|engine_core"}}[{w}])) > {starved.feeder_cpu_threshold}\n'
         f"  and on (job, instance, replica)\n"
-        f"  avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{w}]) < {c.accelerator_threshold}\n"
+        f"  avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{w}]) < {starved.accelerator_threshold}\n"
         f")\nor\n(\n"
-        f"  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{w}]) < {c.accelerator_threshold}\n"
+        f"  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{w}]) < {starved.accelerator_threshold}\n"
         f"  and on (job, instance)\n"
-        f"  avg_over_time(appliance_host_cpu_utilization_ratio{{{app}}}[{w}]) > {c.host_cpu_threshold}\n"
+        f"  avg_over_time(appliance_host_cpu_utilization_ratio{{{app}}}[{w}]) > {starved.host_cpu_threshold}\n"
         f"  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{{app}}}\n"
         f")\n)\nand on (job, instance, replica)\nappliance_engine_requests_running{{{app}}} > 0\n",
-        "warning", for_=c.for_,
+        "warning", for_=starved.for_,
         summary="The accelerator of {{ $labels.replica }} is starved by the CPU.",
         description="{{ $labels.replica }} has running requests but its accelerator is underused while the CPU "
                     "feeding it is saturated (GPU hosts: API server / engine core at one full core; CPU hosts: "
-                    "host CPU busy while the engine gets under " + f"{c.accelerator_threshold} of its cores). "
+                    "host CPU busy while the engine gets under " + f"{starved.accelerator_threshold} of its cores). "
                     "Value: {{ $value | printf \"%.2f\" }}."))
-    c = knobs.ApplianceFragmentationRising
+    frag = knobs.ApplianceFragmentationRising
     out.append(Alert(
         "ApplianceFragmentationRising",
-        f"max by ({by}) (appliance_engine_memory_fragmentation_ratio{{{app}}}) > {c.threshold}\n"
+        f"max by ({by}) (appliance_engine_memory_fragmentation_ratio{{{app}}}) > {frag.threshold}\n"
         f"and on (job, instance, replica)\n"
-        f"max by ({by}) (delta(appliance_engine_memory_fragmentation_ratio{{{app}}}[{c.window}])) > {c.rise}\n",
-        "warning", for_=c.for_,
+        f"max by ({by}) (delta(appliance_engine_memory_fragmentation_ratio{{{app}}}[{frag.window}])) > {frag.rise}\n",
+        "warning", for_=frag.for_,
         summary="Allocator fragmentation of {{ $labels.replica }} is high and rising.",
         description="{{ $value | humanizePercentage }} of the memory {{ $labels.replica }}'s allocators hold is free "
-                    f"but unusable, up by more than {c.rise} in {c.window}. The appliance schedules a rolling "
+                    f"but unusable, up by more than {frag.rise} in {frag.window}. The appliance schedules a rolling "
                     "restart in the next low-traffic window."))
-    c = knobs.ApplianceReplicaHung
+    hung = knobs.ApplianceReplicaHung
     out.append(Alert(
-        "ApplianceReplicaHung", f"max by ({by}) (appliance_replica_hung{{{app}}}) == 1", c.severity,
-        for_=c.for_,
+        "ApplianceReplicaHung", f"max by ({by}) (appliance_replica_hung{{{app}}}) == 1", hung.severity,
+        for_=hung.for_,
         summary="Replica {{ $labels.replica }} is hung: running requests, no tokens.",
         description="{{ $labels.replica }} has running requests but generated no token for the configured hang "
                     "time, although its /health may stay green. The appliance restarts that replica itself."))
-    c = knobs.ApplianceRestartLoop
+    restarts = knobs.ApplianceRestartLoop
     out.append(Alert(
         "ApplianceRestartLoop",
-        f"increase(appliance_replica_crashes_total{{{app}}}[{c.window}]) >= {c.crashes}", "warning",
-        for_=c.for_,
+        f"increase(appliance_replica_crashes_total{{{app}}}[{restarts.window}]) >= {restarts.crashes}", "warning",
+        for_=restarts.for_,
         summary="Replica {{ $labels.replica }} keeps crashing.",
         description="The engine of {{ $labels.replica }} exited unasked {{ $value | printf \"%.0f\" }} times in "
-                    f"the last {c.window}; the supervisor restarts it with a growing backoff."))
-    c = knobs.ApplianceReplicaSpawnFailing
+                    f"the last {restarts.window}; the supervisor restarts it with a growing backoff."))
+    spf = knobs.ApplianceReplicaSpawnFailing
     out.append(Alert(
         "ApplianceReplicaSpawnFailing",
-        f"max by ({by}) (increase(appliance_replica_spawn_failures_total{{{app}}}[{c.window}])) > {c.threshold}\n"
+        f"max by ({by}) (increase(appliance_replica_spawn_failures_total{{{app}}}[{spf.window}])) > {spf.threshold}\n"
         f"and on (job, instance, replica)\n"
         f'max by ({by}) (appliance_replica_state{{{app},state=~"backoff|starting"}}) == 1\n',
-        "warning", for_=c.for_,
+        "warning", for_=spf.for_,
         summary="The engine of replica {{ $labels.replica }} cannot be started.",
         description="Starting the engine process of {{ $labels.replica }} failed {{ $value | printf \"%.0f\" }} "
-                    f"times in the last {c.window} (not a crash: the process never ran) and the replica is not "
+                    f"times in the last {spf.window} (not a crash: the process never ran) and the replica is not "
                     "ready. `appliance status` shows the last error; the supervisor keeps retrying with backoff."))
-    c = knobs.ApplianceDrainStuck
+    drain = knobs.ApplianceDrainStuck
     out.append(Alert(
         "ApplianceDrainStuck", f'max by ({by}) (appliance_replica_state{{{app},state="draining"}}) == 1', "warning",
-        for_=c.for_,
-        summary="Replica {{ $labels.replica }} has been draining for " + c.for_ + ".",
-        description="{{ $labels.replica }} has been out of routing (draining) for " + c.for_ + ": a restart did "
+        for_=drain.for_,
+        summary="Replica {{ $labels.replica }} has been draining for " + drain.for_ + ".",
+        description="{{ $labels.replica }} has been out of routing (draining) for " + drain.for_ + ": a restart did "
                     "not complete, or it was drained by hand and never returned. Capacity is reduced."))
-    c = knobs.ApplianceSlotDrift
+    drift = knobs.ApplianceSlotDrift
     out.append(Alert(
-        "ApplianceSlotDrift", f"max by ({by}) (appliance_slot_drift{{{app}}}) == 1", "warning", for_=c.for_,
+        "ApplianceSlotDrift", f"max by ({by}) (appliance_slot_drift{{{app}}}) == 1", "warning", for_=drift.for_,
         summary="The gateway counts requests at {{ $labels.replica }} that its engine does not have.",
-        description="For " + c.for_ + " the gateway has counted more requests in flight at {{ $labels.replica }} "
+        description="For " + drift.for_ + " the gateway has counted more requests in flight at {{ $labels.replica }} "
                     "than its engine reports running or waiting (admission.slot_drift_seconds at a time): slots "
                     "that no request uses, which shrink admission's room. Readiness turns 503 when no replica has "
                     "room left but these."))
-    c = knobs.ApplianceLatencyDrift
+    latency = knobs.ApplianceLatencyDrift
     out.append(Alert(
         "ApplianceLatencyDrift",
         f"job:appliance_request_ttft_seconds:p95_rate1h{{{app}}}\n/\n"
-        f"job:appliance_request_ttft_seconds:p95_rate1d{{{app}}}\n> {c.ratio}\n"
-        f"and\njob:appliance_request_ttft_seconds:p95_rate1h{{{app}}} > {c.min_seconds}\n",
-        "warning", for_=c.for_,
+        f"job:appliance_request_ttft_seconds:p95_rate1d{{{app}}}\n> {latency.ratio}\n"
+        f"and\njob:appliance_request_ttft_seconds:p95_rate1h{{{app}}} > {latency.min_seconds}\n",
+        "warning", for_=latency.for_,
         summary="P95 time to first token is drifting up.",
         description="P95 TTFT over the last hour is {{ $value | printf \"%.2f\" }}x its value over the last day "
-                    f"(threshold {c.ratio}x): a slow leak, fragmentation or a changed workload."))
-    c = knobs.ApplianceSlowModelLoad
+                    f"(threshold {latency.ratio}x): a slow leak, fragmentation or a changed workload."))
+    slow_load = knobs.ApplianceSlowModelLoad
     out.append(Alert(
         "ApplianceSlowModelLoad",
-        f"max by ({by}) (appliance_replica_model_load_seconds{{{app}}}) > {c.threshold_seconds}", "warning",
-        for_=c.for_,
+        f"max by ({by}) (appliance_replica_model_load_seconds{{{app}}}) > {slow_load.threshold_seconds}", "warning",
+        for_=slow_load.for_,
         summary="Replica {{ $labels.replica }} took long to load its model.",
         description="The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to "
-                    f"ready (threshold {c.threshold_seconds}s): every restart costs that much capacity."))
+                    f"ready (threshold {slow_load.threshold_seconds}s): every restart costs that much capacity."))
     out += _tenant_alerts(config)
     return _remediation(config, out)
 

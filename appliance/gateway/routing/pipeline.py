@@ -44,7 +44,7 @@ class Policy(Protocol):
 
 class RoundRobinPolicy:
     name = "round_robin"
-    prefix = None
+    prefix: PrefixScorer | None = None
 
     def __init__(self) -> None:
         self._turn = 0
@@ -110,7 +110,7 @@ class WeightedPolicy:
             self.balance.chosen(replica.name)
         return Decision(replica.name, totals[best], decided, prefix)
 
-    def _decider(self, keys: list[tuple], scores: dict[str, list[float]], best: int, runner_up: int) -> str:
+    def _decider(self, keys: list[tuple[float, ...]], scores: dict[str, list[float]], best: int, runner_up: int) -> str:
         if keys[best][0] != keys[runner_up][0]:  # the weighted totals differ: the largest weighted difference
             def gain(weighted: tuple[Scorer, float]) -> float:
                 scorer, weight = weighted

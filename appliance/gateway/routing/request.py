@@ -54,8 +54,9 @@ def render_completion(prompt: str | Sequence[Any]) -> str:
     """A completion prompt as one string: the text, or the texts / token ids joined."""
     if isinstance(prompt, str):
         return prompt
-    if all(isinstance(item, int) for item in prompt):  # one prompt of token ids
-        return _tokens_text(prompt)
+    ids = [item for item in prompt if isinstance(item, int)]
+    if len(ids) == len(prompt):  # one prompt of token ids
+        return _tokens_text(ids)
     return _MESSAGE_END.join(item if isinstance(item, str) else _tokens_text(item) for item in prompt)
 
 

@@ -9,7 +9,7 @@ prompt's prefix was recently sent to each replica, within a bounded load.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica, ReplicaState
@@ -114,7 +114,7 @@ class PrefixScorer:
         self.index = PrefixIndex(settings.index_bytes)
         self.yields = 0  # decisions where a matching replica was passed over for its load
         self.forgotten = 0  # replica restarts that dropped its entries
-        self._lives: dict[str, tuple] = {}
+        self._lives: dict[str, tuple[int, int, float | None, int | None]] = {}  # starts, restarts, start time, pid
 
     def observe(self, replicas: Sequence[Replica]) -> None:
         for replica in replicas:
@@ -165,4 +165,6 @@ class PrefixScorer:
 def build_scorer(name: str, prefix: PrefixScorerSettings) -> Scorer:
     if name == "prefix":
         return PrefixScorer(prefix)
-    return {"outstanding": OutstandingScorer, "kv_cache": KvCacheScorer, "queue": QueueScorer}[name]()
+    stateless: dict[str, Callable[[], Scorer]] = {
+        "outstanding": OutstandingScorer, "kv_cache": KvCacheScorer, "queue": QueueScorer}
+    return stateless[name]()

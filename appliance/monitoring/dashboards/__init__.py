@@ -17,7 +17,8 @@ dicts) and ``write`` (the files and ``python -m appliance.monitoring.dashboards 
 
 from appliance.monitoring.dashboards.board import DATASOURCE_UID, SCHEMA_VERSION
 from appliance.monitoring.dashboards.catalogue import DASHBOARDS, build_dashboards
-from appliance.monitoring.dashboards.write import DASHBOARDS_DIR, generated, main, render, stale, write
+from appliance.monitoring.dashboards.write import generated, main, render, stale, write
+from appliance.paths import DASHBOARDS_DIR
 
 __all__ = ["DASHBOARDS", "DASHBOARDS_DIR", "DATASOURCE_UID", "SCHEMA_VERSION", "build_dashboards", "generated",
            "main", "render", "stale", "write"]

@@ -69,7 +69,7 @@ def variables(sel: Selectors) -> list[dict[str, Any]]:
     return [datasource, label_values("model", "model", engines), label_values("replica", "replica", engines_of_models)]
 
 
-def annotations(sel: Selectors) -> list[dict[str, Any]]:
+def shared_annotations(sel: Selectors) -> list[dict[str, Any]]:
     """Grafana's own (alerts, and what the appliance pushes), plus restarts and maintenance actions from
     Prometheus, so they show even where nothing pushed them."""
     builtin = {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
@@ -110,7 +110,7 @@ def dashboard(uid: str, title: str, description: str, sections: Sequence[Section
     """The envelope; ``extra_variables`` follow the shared ones (a dashboard's own, such as ``tenant``)."""
     panels = [panel for section in sections for panel in (row(section.row_id, section.title), *section.panels)]
     return {
-        "annotations": {"list": annotations(sel)},
+        "annotations": {"list": shared_annotations(sel)},
         "description": description,
         "editable": True,
         "fiscalYearStartMonth": 0,

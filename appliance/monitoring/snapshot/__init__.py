@@ -17,7 +17,8 @@ the panels' results), ``render`` (PNG, HTML, results.json), ``take`` (one snapsh
 (``appliance snapshot``, registered by appliance/cli.py through :func:`register`).
 """
 
-from appliance.monitoring.snapshot.cli import EXIT_OK, EXIT_QUERY_FAILED, EXIT_USAGE, cmd_snapshot, main, register
+from appliance.exit_codes import EXIT_OK, EXIT_USAGE
+from appliance.monitoring.snapshot.cli import EXIT_QUERY_FAILED, cmd_snapshot, main, register
 from appliance.monitoring.snapshot.query import PanelResult, Prometheus, Series, legend, run_queries
 from appliance.monitoring.snapshot.render import format_value, render_panel, write_snapshot
 from appliance.monitoring.snapshot.take import SnapshotRequest, load_dashboard, snapshot

@@ -75,4 +75,5 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="appliance")
     register(parser.add_subparsers())
     args = parser.parse_args(["snapshot", *(sys.argv[1:] if argv is None else argv)])
-    return args.handler(args)
+    code: int = args.handler(args)
+    return code

@@ -41,9 +41,12 @@ def format_value(value: float, unit: str) -> str:
 
 
 def _unit_of(panel: Mapping[str, Any]) -> str:
+    unit: str
     if panel.get("type") == "heatmap":
-        return panel.get("options", {}).get("yAxis", {}).get("unit", "")
-    return panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+        unit = panel.get("options", {}).get("yAxis", {}).get("unit", "")
+    else:
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
+    return unit
 
 
 def render_panel(result: PanelResult, path: Path, span: TimeRange) -> None:
@@ -74,7 +77,8 @@ def render_panel(result: PanelResult, path: Path, span: TimeRange) -> None:
             _draw_table(axes, series, unit)
         else:
             _draw_lines(axes, series, unit, panel, kind, mdates)
-            axes.set_xlim(_when(span.start), _when(span.end))
+            # matplotlib's stubs type limits as floats; at run time its unit converters take datetimes (a date axis).
+            axes.set_xlim(_when(span.start), _when(span.end))  # type: ignore[arg-type]
         figure.tight_layout()
         figure.savefig(path, format="png")
     finally:

@@ -39,13 +39,15 @@ def load_dashboard(uid: str, directory: Path | None) -> dict[str, Any]:
             return DASHBOARDS[uid](None)
         except MonitoringConfigError as exc:
             raise SnapshotError(f"cannot generate dashboard {uid!r}: {exc}") from None
-    known = sorted({*DASHBOARDS, *(_uid_of(p) for p in candidates if p.is_file())} - {None})
+    found = (_uid_of(p) for p in candidates if p.is_file())
+    known = sorted({*DASHBOARDS, *(u for u in found if u is not None)})
     raise SnapshotError(f"unknown dashboard {uid!r}; known: {', '.join(known)}")
 
 
 def _uid_of(path: Path) -> str | None:
     try:
-        return json.loads(path.read_text()).get("uid")
+        uid: str | None = json.loads(path.read_text()).get("uid")
+        return uid
     except (OSError, ValueError, AttributeError):
         return None
 
