@@ -15,7 +15,7 @@ from appliance.app import create_app
 from appliance.context import context_of
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
-from tests.kubernetes.test_manifests import render
+from tests.kubernetes.manifests import render
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 

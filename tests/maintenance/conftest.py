@@ -6,8 +6,6 @@ from appliance.app import create_app
 from appliance.settings import Settings
 from tests.maintenance.support import fleet
 
-AUTH = {"authorization": "Bearer t0ken"}
-
 
 @pytest.fixture
 def make_app(stubs):

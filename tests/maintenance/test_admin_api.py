@@ -4,8 +4,7 @@ restart where requests wait instead of failing, status, actions counted."""
 import threading
 import time
 
-from tests.maintenance.conftest import AUTH
-from tests.maintenance.test_webhook import actions, wait_idle
+from tests.maintenance.support import AUTH, actions, wait_idle
 
 
 def test_rolling_restart_is_accepted_runs_in_the_background_and_refuses_a_second(make_app):

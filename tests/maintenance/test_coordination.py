@@ -20,7 +20,7 @@ from appliance.maintenance.coordination import (
 from appliance.maintenance.errors import BelowMinReady, MaintenanceError
 from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts, RollingRestart
 from tests.doubles import RestartableReplica
-from tests.maintenance.conftest import AUTH
+from tests.maintenance.support import AUTH
 
 FAST = RestartTimeouts(drain_seconds=1, ready_seconds=2, min_ready_wait_seconds=0.3, poll_seconds=0.01)
 
@@ -350,7 +350,7 @@ def test_a_window_restart_skipped_for_the_lease_tries_again_in_the_same_window()
     restarted in that window."""
     from datetime import UTC, datetime
 
-    from tests.maintenance.test_scheduler import Rig
+    from tests.maintenance.support import Rig
 
     rig = Rig(datetime(2026, 12, 2, 3, 0, tzinfo=UTC))
     refusals = Coordinator([False] * 10_000)
@@ -370,7 +370,7 @@ def test_a_skip_for_capacity_still_uses_up_the_window():
     """Only a lease refusal retries: a rolling restart skipped because this host lacks capacity does not loop."""
     from datetime import UTC, datetime
 
-    from tests.maintenance.test_scheduler import Rig
+    from tests.maintenance.support import Rig
 
     rig = Rig(datetime(2026, 12, 2, 3, 0, tzinfo=UTC))
     rig.replicas[1].drain()
@@ -402,7 +402,7 @@ def test_without_an_address_the_gateway_uses_the_requests_own(gateway):
 def test_the_schedule_waits_while_another_node_holds_the_lease_and_records_nothing():
     from datetime import UTC, datetime
 
-    from tests.maintenance.test_scheduler import Rig
+    from tests.maintenance.support import Rig
 
     rig = Rig(datetime(2026, 12, 2, 3, 0, tzinfo=UTC))
     held = Coordinator([], free=False)

@@ -2,9 +2,7 @@
 at a time; the alert rate limit is keyed on the replica the alert resolves to, not on the alert's labels."""
 
 from appliance.context import context_of
-from tests.maintenance.conftest import AUTH
-from tests.maintenance.support import judge_hung
-from tests.maintenance.test_webhook import actions, alert, payload, wait_idle
+from tests.maintenance.support import AUTH, actions, alert, judge_hung, payload, wait_idle
 
 
 def restarts(replicas) -> list[tuple]:

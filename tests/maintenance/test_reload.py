@@ -15,9 +15,7 @@ from appliance.app import create_app
 from appliance.context import context_of
 from appliance.maintenance.reload import changed_keys
 from appliance.settings import Settings, load_settings
-from tests.maintenance.conftest import AUTH
-from tests.maintenance.support import fleet
-from tests.maintenance.test_webhook import actions, wait_idle
+from tests.maintenance.support import AUTH, actions, fleet, wait_idle
 
 BASE = {"served_model_name": "demo", "replicas": 2, "admin_token": "t0ken", "collectors": {"enabled": False},
         "engine": {"max_num_seqs": 16}, "maintenance": {"restart_ready_timeout_seconds": 1}}

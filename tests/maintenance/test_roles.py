@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.maintenance.test_webhook import payload
+from tests.maintenance.support import payload
 
 TOKENS = {"admin": "adm-t0ken", "alerts": "alr-t0ken", "metrics": "met-t0ken", "key": "api-k3y"}
 ROLE_SETTINGS = {"admin_token": TOKENS["admin"], "alerts_token": TOKENS["alerts"],

@@ -1,70 +1,11 @@
 """The maintenance job under a controllable clock: the window and the traffic gate both have to allow a rolling
 restart; a fragmentation trigger waits for low traffic, never the window, never peak."""
 
-import asyncio
 from datetime import UTC, datetime, timedelta
 
-from prometheus_client import CollectorRegistry
-
-from appliance.maintenance.controller import MaintenanceController
-from appliance.maintenance.memory import MemoryReading, MemoryWatch
-from appliance.maintenance.metrics import MaintenanceMetrics
-from appliance.maintenance.progress import ProgressMonitor
-from appliance.maintenance.rolling import RestartProcedure, RestartTimeouts
-from appliance.maintenance.scheduler import MaintenanceScheduler
-from appliance.maintenance.settings import MaintenanceSettings
-from appliance.maintenance.traffic import TrafficSampler
-from tests.maintenance.support import Clock, fleet
+from tests.maintenance.support import Rig
 
 UTC = UTC
-TIMEOUTS = RestartTimeouts(drain_seconds=1, ready_seconds=1, min_ready_wait_seconds=0.2, poll_seconds=0.01)
-
-
-async def warm(_replica) -> bool:
-    return True
-
-
-class Rig:
-    """A scheduler over two stub replicas; traffic and memory set by hand; the clock moves in 15 s checks."""
-
-    def __init__(self, start: datetime, **settings) -> None:
-        self.clock = Clock(start)
-        self.requests = 0.0
-        self.queue = 0
-        self.fragmentation = 0.1
-        self.replicas = fleet(["http://a", "http://b"])
-        self.settings = MaintenanceSettings(enabled=True, window_cron="0 3 * * *", window_duration_seconds=3600,
-                                            traffic_lookback_seconds=60, max_request_rate=1.0, max_queue=0,
-                                            check_interval_seconds=15, **settings)
-        self.registry = CollectorRegistry()
-        self.controller = MaintenanceController(lambda: self.replicas, RestartProcedure(TIMEOUTS, warm), min_ready=1,
-                                                metrics=MaintenanceMetrics(self.registry))
-        traffic = TrafficSampler(lambda: self.requests, lambda: self.queue, lookback_seconds=60,
-                                 max_request_rate=1.0, max_queue=0)
-        progress = ProgressMonitor(lambda: [r.name for r in self.replicas], dict, hung_after_seconds=60)
-        memory = MemoryWatch(lambda: {"replica-1": MemoryReading(42, 10**9, self.fragmentation)},
-                             fragmentation_threshold=self.settings.fragmentation_threshold, growth_threshold=None,
-                             growth_lookback_seconds=600)
-        self.scheduler = MaintenanceScheduler(self.settings, self.controller, traffic, progress, memory,
-                                              now=self.clock.now, monotonic=self.clock.monotonic)
-
-    def run(self, minutes: float, *, rate: float) -> list[str]:
-        """Check every 15 s for ``minutes`` at ``rate`` requests/s; let a started restart finish."""
-
-        async def go() -> list[str]:
-            decisions = []
-            for _ in range(int(minutes * 4)):
-                decisions.append(await self.scheduler.check())
-                while self.controller.busy:
-                    await asyncio.sleep(0.01)
-                self.clock.advance(15)
-                self.requests += rate * 15
-            return decisions
-
-        return asyncio.run(go())
-
-    def restarts(self) -> list[int]:
-        return [r.status.restarts for r in self.replicas]
 
 
 def test_no_restart_outside_the_window_even_when_quiet():

@@ -10,35 +10,7 @@ from appliance.maintenance.memory import MemoryReading, MemoryWatch
 from appliance.maintenance.service import DataPathView, build_maintenance
 from appliance.maintenance.webhook import AlertmanagerPayload, Decision
 from appliance.settings import Settings
-from tests.maintenance.conftest import AUTH
-from tests.maintenance.support import fleet, judge_hung
-
-
-def alert(name: str, status: str = "firing", replica: str | None = "replica-0", fingerprint: str = "f1",
-          starts: str = "2026-12-02T03:00:00Z") -> dict:
-    labels = {"alertname": name, "severity": "critical"} | ({"replica": replica} if replica else {})
-    return {"status": status, "labels": labels, "annotations": {}, "startsAt": starts, "endsAt": "",
-            "generatorURL": "", "fingerprint": fingerprint}
-
-
-def payload(*alerts: dict) -> dict:
-    return {"version": "4", "status": alerts[0]["status"], "receiver": "appliance", "groupKey": "{}:{}",
-            "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {}, "externalURL": "", "truncatedAlerts": 0,
-            "alerts": list(alerts)}
-
-
-def wait_idle(client) -> dict:
-    for _ in range(200):
-        status = client.get("/admin/status", headers=AUTH).json()
-        if not status["maintenance"]["restarting"] and not status["maintenance"]["rolling_restart_in_progress"]:
-            return status
-        time.sleep(0.02)
-    raise AssertionError("maintenance still busy")
-
-
-def actions(registry, action: str, result: str, trigger: str = "alert") -> float:
-    return registry.get_sample_value("appliance_maintenance_actions_total",
-                                     {"action": action, "trigger": trigger, "result": result}) or 0
+from tests.maintenance.support import AUTH, actions, alert, fleet, judge_hung, payload, wait_idle
 
 
 def alerts_seen(registry, name: str, status: str, action: str) -> float:
