@@ -24,7 +24,8 @@ from appliance import status, version
 from appliance.collectors import register_collectors
 from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
-from appliance.gateway.core import Gateway, build_gateway
+from appliance.gateway import routes as gateway_routes
+from appliance.gateway.core import build_gateway
 from appliance.gateway.limits import BodyBudget, RequestIntake
 from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
@@ -98,10 +99,10 @@ def create_app(
         started_at=time.time())
     install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
-    app.add_middleware(RequestIntake, max_bytes=settings.max_request_bytes,
+    app.add_middleware(RequestIntake, settings=lambda: live.settings, max_bytes=settings.max_request_bytes,
                        body_timeout=settings.intake.body_timeout_seconds, budget=body_budget,
                        on_reject=gateway.metrics.count_unproxied)
-    for route in (*Gateway.routes(), maintenance_routes.router, status.router):
+    for route in (*gateway_routes.ROUTERS, maintenance_routes.router, status.router):
         app.include_router(route)
     return app
 

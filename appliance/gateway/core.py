@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
@@ -23,7 +22,6 @@ from appliance.gateway.fleet_metrics import FleetCollector
 from appliance.gateway.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
-from appliance.gateway.routes import health, metrics, openai, runbooks
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
@@ -60,10 +58,6 @@ class Gateway:
         tenant = (scope.get("state") or {}).get("tenant")
         if first and tenant is not None:
             self.accounting.answered(tenant.name, status)
-
-    @staticmethod
-    def routes() -> list[APIRouter]:
-        return [openai.router, health.router, metrics.router, runbooks.router]
 
 
 def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,

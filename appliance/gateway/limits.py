@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.context import context_of
 from appliance.http.auth import refusal
 from appliance.http.errors import APIError, ErrorHook, error_response
+
+if TYPE_CHECKING:
+    from appliance.settings import Settings
 
 RETRY_AFTER_SECONDS = 1  # a full budget frees as uploads finish (or time out): retry soon, or elsewhere
 
@@ -131,9 +135,10 @@ class _Body:
 
 
 class RequestIntake:
-    def __init__(self, app: ASGIApp, max_bytes: int, *, body_timeout: float, budget: BodyBudget,
-                 on_reject: ErrorHook | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, *, settings: Callable[[], Settings], body_timeout: float,
+                 budget: BodyBudget, on_reject: ErrorHook | None = None) -> None:
         self.app = app
+        self.settings = settings  # the live settings (a reload replaces the keys the key check reads)
         self.max_bytes = max_bytes
         self.body_timeout = body_timeout
         self.budget = budget
@@ -146,7 +151,7 @@ class RequestIntake:
         scope["appliance.arrived"] = time.monotonic()
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization")
-        denied = refusal(context_of(scope["app"]).live.settings, route_path(scope),
+        denied = refusal(self.settings(), route_path(scope),
                          authorization.decode("latin-1") if authorization is not None else None)
         if denied is not None:
             await self._answer(scope, receive, send, denied)
