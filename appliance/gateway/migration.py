@@ -130,6 +130,17 @@ class SSEEvents:
             event, self._buffer = self._buffer[:end + 2], self._buffer[end + 2:]
             yield event
 
+    def feed_block(self, chunk: bytes) -> bytes:
+        """Every whole event the buffer now holds, as one block: for a caller that needs whole events but not one
+        at a time (one search from the end instead of a slice per event; the usage-hiding relay)."""
+        buffer = self._buffer + chunk
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = buffer
+            return b""
+        self._buffer = buffer[end + 2:]
+        return buffer[:end + 2]
+
     @property
     def pending(self) -> bytes:
         return self._buffer

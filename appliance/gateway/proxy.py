@@ -460,7 +460,7 @@ class Upstream:
                 self._charge_streamed(exchange, sent)
                 tail = (tail + chunk)[-2048:]  # usage and [DONE] may come in two chunks
                 if events is not None:
-                    chunk = exchange.to_client(b"".join(events.feed(chunk)))
+                    chunk = exchange.to_client(events.feed_block(chunk))
                     if not chunk:
                         continue
                 yield chunk

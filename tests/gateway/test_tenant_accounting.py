@@ -338,3 +338,45 @@ def test_summary_orders_by_tokens_and_every_configured_tenant_has_series():
             is not None
         assert registry.get_sample_value("appliance_tenant_ttft_seconds_count", {"tenant": tenant}) is not None
     assert time.monotonic()  # nothing here depends on time
+
+
+def _vllm_chat_stream(tokens: int, choices: int) -> tuple[list[bytes], bytes]:
+    """A vLLM chat stream with include_usage (content chunks of ``choices`` choices, each choice's finishing chunk,
+    the usage event with the fingerprint, [DONE]) and what a client that did not ask for usage would have got."""
+    head = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"demo"'
+
+    def chunk(index: int, content: str, finish: str | None) -> bytes:
+        reason = f'"{finish}"' if finish else "null"
+        return (f'data: {{{head},"choices":[{{"index":{index},"delta":{{"content":"{content}"}},'
+                f'"logprobs":null,"finish_reason":{reason}}}]}}\n\n').encode()
+
+    # Choice 0 finishes half-way; the others stream on after it (held events must keep their order).
+    events = [chunk(i % choices, f" w{i}", None) for i in range(tokens // 2)] + [chunk(0, " end", "length")]
+    events += [chunk(1 + i % (choices - 1) if choices > 1 else 0, f" v{i}", None) for i in range(tokens // 2)]
+    events += [chunk(i, " end", "length") for i in range(1, choices)]
+    usage = f'data: {{{head},"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":{tokens + choices}}},' \
+            '"system_fingerprint":"fp"}\n\n'
+    expected = b"".join(events).replace(b'"finish_reason":"length"}]}',
+                                          b'"finish_reason":"length"}],"system_fingerprint":"fp"}')
+    return [*events, usage.encode(), migration.DONE], expected + migration.DONE
+
+
+@pytest.mark.parametrize("choices", [1, 2])
+def test_hiding_usage_gives_the_client_its_bytes_however_the_reads_cut_the_stream(choices: int) -> None:
+    """Property (seeded storm of cut points): the relay's block framing (SSEEvents.feed_block) and HiddenUsage's
+    fast path for blocks with nothing to hide give exactly the bytes of a stream without usage, wherever the
+    engine's reads split events (mid-event, mid-marker, several events a read)."""
+    import random
+
+    events, expected = _vllm_chat_stream(40, choices)
+    stream = b"".join(events)
+    rng = random.Random(23)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 60)))
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+        framing, hide, sent = migration.SSEEvents(), HiddenUsage(), []
+        for read in reads:
+            sent.append(hide.feed(framing.feed_block(read)))
+        sent.append(hide.flush() + framing.pending)
+        assert b"".join(sent) == expected
+        assert hide.usage == {"prompt_tokens": 3, "completion_tokens": 40 + choices}

@@ -224,6 +224,8 @@ class HiddenUsage:
         self.usage: dict[str, Any] | None = None  # the last usage event's usage (the engine's report)
 
     def feed(self, events: bytes) -> bytes:
+        if not self._held and USAGE not in events and FINISH.search(events) is None:
+            return events  # token chunks, nothing to hold or hide: one scan of the block, no event-by-event work
         out = b""
         for event in split_events(events):
             final = final_usage(event)
