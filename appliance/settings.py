@@ -182,6 +182,21 @@ class Settings(BaseSettings):
             return None
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _slo_from_the_assets_in_use(cls, data: Any) -> Any:
+        """slo_ttft_p95_seconds defaults to the TTFT threshold of the alerts/config.yaml this appliance serves: the
+        one under monitoring.assets_dir where that is set (the images install the package apart from its assets,
+        in /opt/appliance), else the source tree's (the field's default)."""
+        if not isinstance(data, dict) or data.get("slo_ttft_p95_seconds") is not None:
+            return data
+        monitoring = data.get("monitoring")
+        assets = monitoring.get("assets_dir") if isinstance(monitoring, dict) else getattr(monitoring, "assets_dir",
+                                                                                             None)
+        if assets:
+            data = {**data, "slo_ttft_p95_seconds": ttft_slo_seconds(Path(assets) / "alerts" / "config.yaml")}
+        return data
+
     @model_validator(mode="after")
     def _secrets_from_files(self) -> Settings:
         """Each *_file setting fills its secret (appliance.secret_files): read whenever settings are built."""

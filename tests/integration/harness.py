@@ -17,12 +17,22 @@ import psutil
 
 
 def free_port_range(count: int) -> int:
-    """A base port with ``count`` consecutive free ports above it."""
+    """A base port with ``count`` consecutive free ports above it, below the kernel's ephemeral range: a port
+    chosen inside it can be taken by any outgoing connection (an engine's, a client's) between the check and the
+    bind a minute later (a CI run: the multi-host gateway's port, "address already in use")."""
+    low = _ephemeral_low()
     for _ in range(200):
-        base = random.randint(20000, 60000)
+        base = random.randint(10000, low - count - 1) if low > 12000 else random.randint(20000, 60000)
         if all(_port_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _port_free(port: int) -> bool:

@@ -180,6 +180,18 @@ def run_scenario(url: str, disturb: Callable[[str], None], what: str, *, replica
     # A status read slower than its timeout under load is "not yet", not a failure (another CI run). That engine
     # count is the gateway's last poll (up to a second old, more under load): a third CI run struck a replica whose
     # engine had finished its 5 streams since, so the strike reads the engine itself when it can (running_now).
+    # At most 4 such reads a second: vLLM renders /metrics on its API server's event loop, and reading it at this
+    # loop's 50 Hz starved the engines' answers to the gateway (a CI run: 502s before the first byte).
+    last_read = [0.0]
+
+    def fresh_running(name: str) -> bool:
+        if running_now is None:
+            return True
+        if time.monotonic() - last_read[0] < 0.25:
+            return False
+        last_read[0] = time.monotonic()
+        return running_now(name) >= 1
+
     def ready() -> str | None:
         try:
             status = httpx.get(f"{url}/admin/status", headers=ADMIN, timeout=30).json()
@@ -190,7 +202,7 @@ def run_scenario(url: str, disturb: Callable[[str], None], what: str, *, replica
                        and after_events <= len(s.arrivals) <= TOKENS // 2]
             if replica in (None, r["name"]) and r["outstanding"] >= (1 if after_events else 3) \
                     and (running or not after_events) and (r.get("engine_running") or 0) >= 1 \
-                    and (running_now is None or running_now(r["name"]) >= 1):
+                    and fresh_running(r["name"]):
                 return r["name"]
         return None
 

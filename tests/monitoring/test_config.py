@@ -173,3 +173,17 @@ def test_alertmanager_inhibits_on_the_configured_labels() -> None:
     assert rendered["inhibit_rules"]
     for rule in rendered["inhibit_rules"]:
         assert rule["equal"] == list(load_config().inhibit_equal)
+
+
+def test_the_settings_slo_follows_the_assets_the_appliance_serves(raw: dict[str, Any], tmp_path, monkeypatch) -> None:
+    """The images install the package apart from its assets (monitoring.assets_dir=/opt/appliance): the default
+    comes from the config there, not from beside the installed package (where there is none: the compose stack's
+    monitoring-config exited 2 on it)."""
+    raw["slos"]["ttft"]["threshold_seconds"] = 1.0
+    (tmp_path / "alerts").mkdir()
+    (tmp_path / "alerts" / "config.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(config_module, "CONFIG_PATH", tmp_path / "not-installed" / "config.yaml")
+    assert Settings(monitoring={"assets_dir": tmp_path}).slo_ttft_p95_seconds == 1.0
+    monkeypatch.setenv("APPLIANCE_MONITORING__ASSETS_DIR", str(tmp_path))
+    assert Settings().slo_ttft_p95_seconds == 1.0
+    assert Settings(slo_ttft_p95_seconds=0.65).slo_ttft_p95_seconds == 0.65
