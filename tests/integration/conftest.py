@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from appliance.monitoring import rules
 from appliance.monitoring.config import load_config
@@ -56,6 +57,8 @@ def live_assets(root: Path) -> Path:
     (root / "alerts").mkdir()
     for name, text in rules.render(config).items():
         (root / "alerts" / name).write_text(text)
+    # The config the rules were rendered from: the appliance reads its TTFT SLO from the assets it serves.
+    (root / "alerts" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     shutil.copy(REPO / "alerts" / "alertmanager.yml", root / "alerts")
     (root / "dashboards").symlink_to(REPO / "dashboards")
     return root
