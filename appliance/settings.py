@@ -186,15 +186,17 @@ class Settings(BaseSettings):
     @classmethod
     def _slo_from_the_assets_in_use(cls, data: Any) -> Any:
         """slo_ttft_p95_seconds defaults to the TTFT threshold of the alerts/config.yaml this appliance serves: the
-        one under monitoring.assets_dir where that is set (the images install the package apart from its assets,
-        in /opt/appliance), else the source tree's (the field's default)."""
+        one under monitoring.assets_dir where that folder has one (the images install the package apart from its
+        assets, in /opt/appliance), else the source tree's (the field's default; an error naming the file if that
+        is missing too)."""
         if not isinstance(data, dict) or data.get("slo_ttft_p95_seconds") is not None:
             return data
         monitoring = data.get("monitoring")
         assets = monitoring.get("assets_dir") if isinstance(monitoring, dict) else getattr(monitoring, "assets_dir",
                                                                                              None)
-        if assets:
-            data = {**data, "slo_ttft_p95_seconds": ttft_slo_seconds(Path(assets) / "alerts" / "config.yaml")}
+        config = Path(assets) / "alerts" / "config.yaml" if assets else None
+        if config is not None and config.is_file():
+            data = {**data, "slo_ttft_p95_seconds": ttft_slo_seconds(config)}
         return data
 
     @model_validator(mode="after")
