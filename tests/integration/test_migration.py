@@ -33,6 +33,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.engine.load import parse_engine_load
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV
 from tests.integration.harness import ApplianceProcess
 from tests.polling import eventually
@@ -139,12 +140,10 @@ def added_seconds(url: str) -> str:
 
 
 def engine_running(url: str) -> int:
-    """vllm:num_requests_running read from the engine itself, now (the gateway's load poll is up to a poll old)."""
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            if sample.name == "vllm:num_requests_running":
-                return int(sample.value)
-    return 0
+    """vllm:num_requests_running read from the engine itself, now (the gateway's load poll is up to a poll old),
+    with the gateway's own parser of an engine's page."""
+    load = parse_engine_load(httpx.get(f"{url}/metrics", timeout=30).content, time.monotonic())
+    return int(load.running or 0)
 
 
 def run_scenario(url: str, disturb: Callable[[str], None], what: str, *, replica: str | None = None,
@@ -182,14 +181,15 @@ def run_scenario(url: str, disturb: Callable[[str], None], what: str, *, replica
     # engine had finished its 5 streams since, so the strike reads the engine itself when it can (running_now).
     # At most 4 such reads a second: vLLM renders /metrics on its API server's event loop, and reading it at this
     # loop's 50 Hz starved the engines' answers to the gateway (a CI run: 502s before the first byte).
-    last_read = [0.0]
+    last_read = 0.0
 
     def fresh_running(name: str) -> bool:
+        nonlocal last_read
         if running_now is None:
             return True
-        if time.monotonic() - last_read[0] < 0.25:
+        if time.monotonic() - last_read < 0.25:
             return False
-        last_read[0] = time.monotonic()
+        last_read = time.monotonic()
         return running_now(name) >= 1
 
     def ready() -> str | None:
