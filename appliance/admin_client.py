@@ -44,10 +44,12 @@ def admin_token() -> str | None:
 
 def token_from_env(name: str, file_name: str) -> str | None:
     """$name, else the first line of the file $file_name names that is neither blank nor a ``#`` comment (the
-    format of the appliance's *_file secret settings); None when neither gives one."""
-    if token := os.environ.get(name, "").strip():
+    format of the appliance's *_file secret settings); None when neither gives one. ``name`` is the setting's
+    earlier variable (APPLIANCE_ADMIN_TOKEN); its sectioned one (APPLIANCE_GATEWAY__ADMIN_TOKEN) is read first, as
+    the appliance reads it (appliance.settings.FLAT_ALIASES)."""
+    if token := (os.environ.get(sectioned(name), "") or os.environ.get(name, "")).strip():
         return token
-    if path := os.environ.get(file_name):
+    if path := os.environ.get(sectioned(file_name)) or os.environ.get(file_name):
         try:
             with open(path) as f:
                 return next((line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")),
@@ -55,6 +57,11 @@ def token_from_env(name: str, file_name: str) -> str | None:
         except OSError:
             return None
     return None
+
+
+def sectioned(name: str) -> str:
+    """APPLIANCE_ADMIN_TOKEN -> APPLIANCE_GATEWAY__ADMIN_TOKEN: the tokens are keys of the gateway section."""
+    return name.replace("APPLIANCE_", "APPLIANCE_GATEWAY__", 1)
 
 
 def metrics_token() -> str | None:

@@ -87,9 +87,9 @@ def create_app(
 
     def apply_tenants(new: Settings) -> None:
         """``appliance reload`` of tenants and keys: the gateway's directory, quotas and accounting, and the
-        settings the key check reads (``all_api_keys``), at once."""
-        gateway.update_tenants(new.tenants, new.api_keys)
-        live.settings = live.settings.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
+        settings the key check reads (``credentials``), at once."""
+        gateway.update_tenants(new.tenants, new.gateway.api_keys)
+        live.settings = live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS})
 
     maintenance.reloader.hot = apply_tenants
     body_budget = BodyBudget(settings.intake.body_budget_bytes)
@@ -99,7 +99,8 @@ def create_app(
         started_at=time.time())
     install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
-    app.add_middleware(RequestIntake, settings=lambda: live.settings, max_bytes=settings.max_request_bytes,
+    app.add_middleware(RequestIntake, credentials=lambda: live.settings.credentials,
+                       max_bytes=settings.gateway.max_request_bytes,
                        body_timeout=settings.intake.body_timeout_seconds, budget=body_budget,
                        on_reject=gateway.metrics.count_unproxied)
     for route in (*gateway_routes.ROUTERS, maintenance_routes.router, status.router):

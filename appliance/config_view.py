@@ -31,12 +31,13 @@ def config_dump(settings: Settings, *, show_secrets: bool = False) -> dict[str, 
     data = settings.model_dump(mode="json")
     if show_secrets:
         return data
+    gateway = data["gateway"]
     for pair in SECRET_PAIRS:
-        value = getattr(settings, pair.value)
+        value = gateway[pair.value]
         if pair.many:
-            data[pair.value] = [REDACTED] * len(value)
+            gateway[pair.value] = [REDACTED] * len(value)
         else:
-            data[pair.value] = REDACTED if value else None
+            gateway[pair.value] = REDACTED if value else None
     data["maintenance"]["grafana_token"] = REDACTED if settings.maintenance.grafana_token else None
     for tenant in data["tenants"]:
         tenant["api_keys"] = [REDACTED] * len(tenant["api_keys"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import Depends, Request
 from starlette.applications import Starlette
@@ -30,7 +30,19 @@ if TYPE_CHECKING:
     from appliance.gateway.limits import BodyBudget
     from appliance.maintenance.service import Maintenance
     from appliance.settings import Settings
-    from appliance.status import FleetStatus
+
+
+class StatusView(Protocol):
+    """The operator's view of the fleet (``appliance.status.FleetStatus``, which sits above the gateway and
+    maintenance and so cannot be imported here): what the admin routes answer with."""
+
+    def fleet(self, draining: bool) -> dict[str, Any]:
+        """/admin/status: the whole fleet."""
+        ...
+
+    def replica(self, replica: Replica) -> dict[str, Any]:
+        """One replica's row, as the drain, undrain and restart routes answer."""
+        ...
 
 
 @dataclass(eq=False)
@@ -52,7 +64,7 @@ class AppContext:
     replicas: Callable[[], Sequence[Replica]]
     registry: CollectorRegistry
     maintenance: Maintenance
-    fleet_status: FleetStatus
+    fleet_status: StatusView
     body_budget: BodyBudget
     started_at: float  # time.time() when the app was built: /v1/models' ``created``
 

@@ -116,8 +116,8 @@ def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
     """The engines this appliance routes to: found by DNS (gateway role), at ``engine_urls``, or its own."""
     if settings.role == "gateway":
         return DnsFleet.from_settings(settings, registry)
-    if settings.engine_urls:
-        return ExternalFleet(settings.engine_urls)
+    if settings.discovery.engine_urls:
+        return ExternalFleet(settings.discovery.engine_urls)
     return Supervisor.from_settings(settings, engine_extra_env(settings))
 
 
@@ -138,13 +138,13 @@ def serve(settings: Settings) -> int:
     fleet = build_fleet(settings, registry)
     app = create_app(settings, fleet=fleet, registry=registry)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
+        app, host=settings.gateway.host, port=settings.gateway.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=5, access_log=False, **server_options(settings),
     )
     if settings.role == "node":
-        server = DrainingServer(config, app, settings.drain_timeout_seconds, pending=node_pending,
+        server = DrainingServer(config, app, settings.gateway.drain_timeout_seconds, pending=node_pending,
                                 settle_seconds=settings.discovery.interval_seconds)
     else:
-        server = DrainingServer(config, app, settings.drain_timeout_seconds)
+        server = DrainingServer(config, app, settings.gateway.drain_timeout_seconds)
     server.run()
     return 0 if server.started else 1

@@ -1,21 +1,31 @@
-"""The appliance's one settings object.
+"""The appliance's one settings object: a composition of sections, each owned by the package it configures
+(``gateway``, ``routing``, ``admission``, ``intake``: appliance.gateway.settings; ``engine``, ``discovery``:
+appliance.engine.settings; ``collectors``, ``maintenance``, ``monitoring``, ``tenants``: their packages), plus the
+few keys that say what the appliance serves and how it runs (model, replicas, device, role, state_dir, log_level).
 
 Sources, lowest to highest precedence: defaults, an optional YAML file (``--config``), then environment variables
-``APPLIANCE_<KEY>`` (nested engine keys as ``APPLIANCE_ENGINE__<KEY>``). Invalid values fail at start with a
-message naming the key, never later at request time.
+``APPLIANCE_<KEY>`` (section keys as ``APPLIANCE_<SECTION>__<KEY>``), then explicit arguments. Invalid values fail
+at start with a message naming the key, never later at request time.
+
+The keys that were top-level before the gateway and engine sections existed (``port``, ``api_keys``,
+``engine_base_port`` ...) keep working in every source, YAML, ``APPLIANCE_PORT`` and arguments alike: each is an
+alias of its place in a section (``FLAT_ALIASES``), moved there source by source, so precedence between sources
+holds whichever spelling each uses.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
-    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -23,8 +33,9 @@ from pydantic_settings import (
 
 from appliance.collectors.settings import CollectorSettings
 from appliance.engine.settings import DiscoverySettings, EngineSettings
-from appliance.gateway.settings import AdmissionSettings, IntakeSettings, RoutingSettings
+from appliance.gateway.settings import AdmissionSettings, GatewaySettings, IntakeSettings, RoutingSettings
 from appliance.gateway.tenants.settings import TenantSettings, check_tenants
+from appliance.http.credentials import Credentials
 from appliance.maintenance.settings import MaintenanceSettings
 from appliance.model.shape import (
     ShapeError,
@@ -34,17 +45,96 @@ from appliance.model.shape import (
 )
 from appliance.monitoring.config import ttft_slo_seconds
 from appliance.monitoring.settings import MonitoringSettings
-from appliance.secret_files import SECRET_PAIRS, resolve_secrets
 
 # Without a model, `appliance up` builds and serves the demo model (appliance.model.demo): these are its name and
 # context length (its max_position_embeddings).
 DEMO_SERVED_MODEL_NAME = "demo"
 DEMO_MAX_MODEL_LEN = 1024
-SECRET_FIELDS = tuple(name for pair in SECRET_PAIRS for name in (pair.value, pair.file))
+ENV_PREFIX = "APPLIANCE_"
+
+# The keys that were top-level before the gateway and engine sections, each an alias of its place in a section:
+# still accepted in YAML, as APPLIANCE_<KEY> and as arguments (docs/configuration.md, "Earlier names").
+FLAT_ALIASES: dict[str, tuple[str, str]] = {
+    **{key: ("gateway", key) for key in (
+        "host", "port", "api_keys", "api_keys_file", "admin_token", "admin_token_file", "alerts_token",
+        "alerts_token_file", "metrics_token", "metrics_token_file", "slo_ttft_p95_seconds", "drain_timeout_seconds",
+        "request_timeout_seconds", "upstream_idle_timeout_seconds", "max_request_bytes", "otlp_traces_endpoint",
+        "trace_sample_ratio")},
+    **{f"engine_{key}": ("engine", key) for key in (
+        "base_port", "host", "advertise_host", "log_max_bytes", "log_backups", "log_stdout")},
+    "restart_backoff_initial_seconds": ("engine", "restart_backoff_initial_seconds"),
+    "restart_backoff_max_seconds": ("engine", "restart_backoff_max_seconds"),
+    "engine_urls": ("discovery", "engine_urls"),
+}
 
 
 class ConfigError(ValueError):
     """The configuration cannot be used; the message says which key and why."""
+
+
+def nest_flat_keys(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``data`` (one source's keys) with each earlier top-level key of ``FLAT_ALIASES`` moved into its section. A
+    key given both ways in one source is an error: which value was meant cannot be told."""
+    out = dict(data)
+    for flat, (section, key) in FLAT_ALIASES.items():
+        if flat not in out:
+            continue
+        given = out.get(section)
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        if given is not None and not isinstance(given, Mapping):
+            continue  # the section itself is malformed: validation names it
+        if key in (given or {}):
+            raise ValueError(f"{flat} and {section}.{key} are both set {where}: set {section}.{key} only "
+                             f"({flat} is its earlier name)")
+        out[section] = {**(given or {}), key: out.pop(flat)}
+    return out
+
+
+class _EarlierEnvNames(PydanticBaseSettingsSource):
+    """``APPLIANCE_<KEY>`` for each earlier top-level key (pydantic-settings reads the names of declared fields
+    only), as flat keys for :class:`_Sectioned` to move."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the environment itself
+
+    def __call__(self) -> dict[str, Any]:
+        env = {name.upper(): value for name, value in os.environ.items()}
+        return {flat: env[name] for flat in FLAT_ALIASES if (name := f"{ENV_PREFIX}{flat.upper()}") in env}
+
+
+class _Sectioned(PydanticBaseSettingsSource):
+    """One source of settings (arguments, the environment, the YAML file) with its earlier top-level keys moved into
+    their sections before the sources are merged, so each source's precedence holds whichever names it uses."""
+
+    def __init__(self, where: str, *sources: PydanticBaseSettingsSource) -> None:
+        super().__init__(sources[0].settings_cls)
+        self.where = where
+        self.sources = sources
+        self.__name__ = type(sources[0]).__name__  # the key pydantic-settings files this source's values under
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ asks the wrapped sources
+
+    def _set_current_state(self, state: dict[str, Any]) -> None:
+        super()._set_current_state(state)
+        for source in self.sources:
+            source._set_current_state(state)
+
+    def __call__(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for source in self.sources:
+            for key, value in source().items():
+                merged.setdefault(key, value)
+        return nest_flat_keys(merged, self.where)
+
+
+class _SectionedYaml(YamlConfigSettingsSource):
+    """The YAML file with its earlier top-level keys moved into their sections (a subclass, not a
+    :class:`_Sectioned`, so pydantic-settings still sees the YAML source the ``yaml_file`` setting is for)."""
+
+    def __call__(self) -> dict[str, Any]:
+        return nest_flat_keys(super().__call__(), f"in {self.yaml_file_path}")
 
 
 class Settings(BaseSettings):
@@ -64,85 +154,18 @@ class Settings(BaseSettings):
     )
     replicas: int = Field(1, ge=1, le=64, description="Engine replicas (processes).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when NVML sees a GPU.")
-    host: str = Field("127.0.0.1", description="Gateway bind address.")
-    port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
-    engine_base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
-    engine_host: str = Field(
-        "127.0.0.1", description="Engines' bind address. Keep loopback unless Prometheus scrapes them from another "
-        "network namespace (compose: the appliance's alias on an internal network only Prometheus shares)."
-    )
-    engine_advertise_host: str | None = Field(
-        None, description="Host name /sd/targets gives Prometheus for the engines; default engine_host "
-        "(compose: the appliance service's name)."
-    )
-    engine_log_max_bytes: int = Field(
-        50_000_000, ge=1024, description="Each engine's log (state_dir/logs/engine-N.log) rotates at this size."
-    )
-    engine_log_backups: int = Field(
-        3, ge=1, description="Rotated engine logs kept (engine-N.log.1 ...); at least one, or nothing rotates."
-    )
-    engine_log_stdout: bool = Field(
-        False, description="Engine output also on the appliance's stdout, each line prefixed [replica-N] "
-        "(compose and the image: true, so that `docker logs` shows it)."
-    )
-    engine_urls: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Route to these engines (comma-separated URLs) instead of starting any."
-    )
-    api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
-    )
     tenants: list[TenantSettings] = Field(
         default_factory=list, description="Teams or services sharing the appliance, each with its own API keys, "
         "quotas, priority and fair-share weight (docs/tenants.md); JSON in APPLIANCE_TENANTS. The flat api_keys "
         "are one more tenant, named default."
     )
-    admin_token: str | None = Field(None, description="Bearer token for /admin; unset disables /admin.")
-    admin_token_file: Path | None = Field(
-        None, description="File holding admin_token (a compose secret, a Secret volume); not with admin_token."
-    )
-    api_keys_file: Path | None = Field(
-        None, description="File holding api_keys, one a line (blank lines and # comments ignored); not with api_keys."
-    )
-    alerts_token: str | None = Field(
-        None, description="Bearer token accepted on /admin/alerts only (Alertmanager's webhook), besides the admin "
-        "token; Alertmanager sends it when set, else the admin token."
-    )
-    alerts_token_file: Path | None = Field(None, description="File holding alerts_token; not with alerts_token.")
-    metrics_token: str | None = Field(
-        None, description="Read-only bearer token: when set, /metrics and /sd/targets need it (or the admin token) "
-        "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
-    )
-    metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
-    slo_ttft_p95_seconds: float = Field(
-        default_factory=ttft_slo_seconds, gt=0, description="Time-to-first-token SLO at P95, which admission "
-        "control aims at. Default: slos.ttft.threshold_seconds of alerts/config.yaml (0.8 as shipped), the SLO the "
-        "alerts page on; set it here only to aim admission elsewhere than the pages."
-    )
-    drain_timeout_seconds: float = Field(
-        120, gt=0, description="On SIGTERM, how long in-flight requests may run before engines stop."
-    )
     state_dir: Path = Field(Path("var"), description="Engine logs and run state live here.")
-    request_timeout_seconds: float = Field(600, gt=0, description="Upper bound for one upstream request.")
-    upstream_idle_timeout_seconds: float = Field(
-        60, gt=0, description="Streams: longest silence from the engine (before the headers or between chunks) before "
-        "the stream is cut with an error event and its slot freed; non-streaming answers are bounded by "
-        "request_timeout_seconds only."
-    )
-    max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
-    restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
-    restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")
-    otlp_traces_endpoint: str | None = Field(
-        None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."
-    )
-    trace_sample_ratio: float = Field(
-        1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
-        "(a caller's sampled traceparent keeps its trace id but does not force recording)."
-    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     role: Literal["all", "node", "gateway"] = Field(
         "all", description="all: gateway and engines in one process (one host). node: this node's engines (a "
         "Kubernetes node pod). gateway: routing only, engines found by `discovery`."
     )
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
@@ -167,68 +190,87 @@ class Settings(BaseSettings):
             return None
         return value
 
-    @field_validator("api_keys", "engine_urls", mode="before")
-    @classmethod
-    def _split_keys(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
-        return value
-
-    @field_validator("admin_token_file", "api_keys_file", "alerts_token_file", "metrics_token_file", mode="before")
-    @classmethod
-    def _empty_file_is_unset(cls, value: Any) -> Any:
-        """APPLIANCE_ADMIN_TOKEN_FILE= (compose passes an unset variable as "") means no file, not the folder "."."""
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
-
     @model_validator(mode="before")
     @classmethod
     def _slo_from_the_assets_in_use(cls, data: Any) -> Any:
-        """slo_ttft_p95_seconds defaults to the TTFT threshold of the alerts/config.yaml this appliance serves: the
-        one under monitoring.assets_dir where that folder has one (the images install the package apart from its
-        assets, in /opt/appliance), else the source tree's (the field's default; an error naming the file if that
-        is missing too)."""
-        if not isinstance(data, dict) or data.get("slo_ttft_p95_seconds") is not None:
+        """gateway.slo_ttft_p95_seconds defaults to the TTFT threshold of the alerts/config.yaml this appliance
+        serves: the one under monitoring.assets_dir where that folder has one (the images install the package apart
+        from its assets, in /opt/appliance), else the source tree's (the field's default; an error naming the file
+        if that is missing too)."""
+        if not isinstance(data, dict):
+            return data
+        gateway = data.get("gateway", {})
+        if not isinstance(gateway, dict) or gateway.get("slo_ttft_p95_seconds") is not None:
             return data
         monitoring = data.get("monitoring")
         assets = monitoring.get("assets_dir") if isinstance(monitoring, dict) else getattr(monitoring, "assets_dir",
                                                                                              None)
         config = Path(assets) / "alerts" / "config.yaml" if assets else None
         if config is not None and config.is_file():
-            data = {**data, "slo_ttft_p95_seconds": ttft_slo_seconds(config)}
+            data = {**data, "gateway": {**gateway, "slo_ttft_p95_seconds": ttft_slo_seconds(config)}}
         return data
 
     @model_validator(mode="after")
-    def _secrets_from_files(self) -> Settings:
-        """Each *_file setting fills its secret (appliance.secret_files): read whenever settings are built."""
-        for name, value in resolve_secrets({name: getattr(self, name) for name in SECRET_FIELDS}).items():
-            setattr(self, name, value)
-        return self
-
-    @model_validator(mode="after")
     def _tenants_are_distinct(self) -> Settings:
-        check_tenants(self.tenants, self.api_keys)
+        check_tenants(self.tenants, self.gateway.api_keys)
         return self
 
     @property
     def all_api_keys(self) -> list[str]:
         """Every key accepted on /v1: the flat api_keys and every tenant's (empty: the API is open)."""
-        return [*self.api_keys, *(key for tenant in self.tenants for key in tenant.api_keys)]
+        return [*self.gateway.api_keys, *(key for tenant in self.tenants for key in tenant.api_keys)]
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy, refusing a key that is not a top-level setting: pydantic would keep it as a stray
+        attribute that nothing reads (``update={"admin_token": ...}`` after the key moved into ``gateway``). Keys of
+        a section go through :meth:`replaced`."""
+        unknown = sorted(set(update or {}) - set(type(self).model_fields))
+        if unknown:
+            raise KeyError(f"not top-level settings: {', '.join(unknown)} (a section's key: replaced({{'section.key': "
+                           "value}))")
+        return super().model_copy(update=update, deep=deep)
+
+    def value_at(self, key: str) -> Any:
+        """The value of a top-level key or of a ``section.key``."""
+        section, _, sub = key.partition(".")
+        value = getattr(self, section)
+        return getattr(value, sub) if sub else value
+
+    def replaced(self, values: Mapping[str, Any]) -> Settings:
+        """A copy with each key (top-level or ``section.key``) set to its value, unvalidated: the values come from
+        other settings that were (a reload's hot keys, the values ``appliance up`` filled in at start)."""
+        top = {key: value for key, value in values.items() if "." not in key}
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in values.items():
+            section, _, sub = key.partition(".")
+            if sub:
+                sections.setdefault(section, {})[sub] = value
+        for section, subs in sections.items():
+            current = getattr(self, section)
+            unknown = sorted(set(subs) - set(type(current).model_fields))
+            if unknown:
+                raise KeyError(f"not keys of {section}: {', '.join(unknown)}")
+            top[section] = current.model_copy(update=subs)
+        return self.model_copy(update=top)
+
+    @property
+    def credentials(self) -> Credentials:
+        """The bearer credentials the auth checks read (appliance.http.auth), from these settings."""
+        gateway = self.gateway
+        return Credentials(tuple(self.all_api_keys), gateway.admin_token, gateway.alerts_token, gateway.metrics_token)
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> Settings:
-        engine_ports = range(self.engine_base_port, self.engine_base_port + self.replicas)
-        if self.port in engine_ports:
-            raise ValueError(
-                f"port {self.port} collides with engine ports {engine_ports.start}-{engine_ports.stop - 1}"
-            )
+        engine_ports = range(self.engine.base_port, self.engine.base_port + self.replicas)
+        if self.gateway.port in engine_ports:
+            raise ValueError(f"gateway.port {self.gateway.port} collides with engine ports "
+                             f"{engine_ports.start}-{engine_ports.stop - 1}")
         if engine_ports.stop - 1 > 65535:
-            raise ValueError("engine_base_port + replicas exceeds 65535")
+            raise ValueError("engine.base_port + replicas exceeds 65535")
         if self.role == "gateway" and not self.discovery.name:
             raise ValueError("role gateway needs discovery.name (the engines' headless Service name)")
-        if self.role == "gateway" and self.engine_urls:
-            raise ValueError("role gateway finds engines by discovery; engine_urls is for role all")
+        if self.role == "gateway" and self.discovery.engine_urls:
+            raise ValueError("role gateway finds engines by discovery.name; discovery.engine_urls is for role all")
         if self.role == "node" and self.maintenance.enabled and not self.maintenance.coordinator_url:
             raise ValueError("role node with maintenance.enabled needs maintenance.coordinator_url: a node sees only "
                              "its own engines, so uncoordinated node pods would restart at the same window start and "
@@ -260,9 +302,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _the_body_budget_holds_the_largest_body(self) -> Settings:
-        if self.intake.body_budget_bytes < self.max_request_bytes:
+        if self.intake.body_budget_bytes < self.gateway.max_request_bytes:
             raise ValueError(f"intake.body_budget_bytes ({self.intake.body_budget_bytes}) is below "
-                             f"max_request_bytes ({self.max_request_bytes}): no largest body could ever be read")
+                             f"gateway.max_request_bytes ({self.gateway.max_request_bytes}): no largest body could "
+                             "ever be read")
         return self
 
     @model_validator(mode="after")
@@ -285,10 +328,13 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Explicit arguments win over the environment, which wins over the YAML file, then defaults.
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [
+            _Sectioned("as arguments", init_settings),
+            _Sectioned("in the environment", env_settings, _EarlierEnvNames(settings_cls)),
+        ]
         yaml_file = settings_cls.model_config.get("yaml_file")
         if yaml_file:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+            sources.append(_SectionedYaml(settings_cls, yaml_file=yaml_file))
         return tuple(sources)
 
 
@@ -334,8 +380,11 @@ def _describe(exc: ValueError) -> str:
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
+    earlier = {f"{section}.{key}": flat for flat, (section, key) in FLAT_ALIASES.items()}
     lines = []
     for error in errors():
         key = ".".join(str(part) for part in error.get("loc", ())) or "config"
+        if key in earlier:  # the operator may have used the earlier name (APPLIANCE_PORT): name both
+            key = f"{key} (earlier name {earlier[key]})"
         lines.append(f"{key}: {error.get('msg')}")
     return "invalid configuration: " + "; ".join(lines)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends
 from appliance.context import Context
 from appliance.engine.contract import Replica
 from appliance.gateway.core import Gateway
-from appliance.http.auth import require_admin
+from appliance.http.guards import require_admin
 from appliance.maintenance.service import Maintenance
 from appliance.settings import Settings
 

@@ -54,3 +54,22 @@ def test_operator_commands_read_the_token_file_the_appliance_reads(tmp_path, mon
     assert admin_client.admin_token() == "from-secret-file"
     monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "from-env")
     assert admin_client.admin_token() == "from-env"
+
+
+def test_operator_commands_read_the_sectioned_token_variables_too(tmp_path, monkeypatch) -> None:
+    """Issue 22: the appliance reads APPLIANCE_GATEWAY__ADMIN_TOKEN(_FILE) as well as the earlier names; so do
+    `appliance status/drain/restart`, or an operator using the new names would be told there is no token."""
+    from appliance import admin_client
+
+    for name in ("APPLIANCE_ADMIN_TOKEN", "APPLIANCE_ADMIN_TOKEN_FILE", "APPLIANCE_METRICS_TOKEN",
+                 "APPLIANCE_METRICS_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
+    mounted = tmp_path / "mounted-secret"
+    mounted.write_text("from-sectioned-file\n")
+    monkeypatch.setenv("APPLIANCE_GATEWAY__ADMIN_TOKEN_FILE", str(mounted))
+    assert admin_client.admin_token() == "from-sectioned-file"
+    monkeypatch.setenv("APPLIANCE_GATEWAY__ADMIN_TOKEN", "from-sectioned-env")
+    assert admin_client.admin_token() == "from-sectioned-env"
+    monkeypatch.setenv("APPLIANCE_GATEWAY__METRICS_TOKEN", "metrics-sectioned")
+    assert admin_client.metrics_token() == "metrics-sectioned"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.settings import Settings
+from appliance.settings import FLAT_ALIASES, Settings
 from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_gpu_appliance_reserves_nvidia_devices_and_cpu_profile_runs_the_cpu_buil
 
 
 def test_appliance_drains_before_docker_kills_it(services) -> None:
-    drain = Settings().drain_timeout_seconds
+    drain = Settings().gateway.drain_timeout_seconds
     for name in ("appliance", "appliance-cpu"):
         service = services[name]
         assert _seconds(service["stop_grace_period"]) > drain
@@ -183,7 +183,7 @@ def test_the_documented_secret_setup_generates_real_values(tmp_path) -> None:
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
     tokens = [(folder / name).read_text().strip() for name in ("admin-token", "alerts-token", "metrics-token")]
     assert all(re.fullmatch(r"[0-9a-f]{64}", token) for token in tokens) and len(set(tokens)) == 3
-    keys = Settings(api_keys_file=folder / "api-keys").api_keys
+    keys = Settings(api_keys_file=folder / "api-keys").gateway.api_keys
     assert len(keys) == 1 and re.fullmatch(r"[0-9a-f]{64}", keys[0]) and keys[0] not in tokens
     assert "sudo chown root:10001 secrets/*" in secrets_recipe.group(1)
     assert "sudo chmod 0440 secrets/*" in secrets_recipe.group(1)
@@ -273,7 +273,7 @@ def test_secrets_reach_each_service_as_files_only_the_ones_it_uses(services) -> 
         assert mounted == wanted.get(name, set()), name
         for setting in mounted:
             assert env[f"APPLIANCE_{setting.upper()}_FILE"] == f"/run/secrets/{setting}", (name, setting)
-            assert f"{setting}_file" in Settings.model_fields
+            assert FLAT_ALIASES[f"{setting}_file"] == ("gateway", f"{setting}_file")  # a name the appliance reads
     for name in ("appliance", "appliance-cpu"):  # the secrets are root:10001 0440; the image's own gid is another
         assert services[name]["group_add"] == ["10001"] or services[name]["group_add"] == [10001], name
     assert "--shared" not in services["monitoring-config"]["entrypoint"]  # world-readable tokens, before

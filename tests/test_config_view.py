@@ -27,8 +27,8 @@ def test_no_secret_is_printed_by_default():
     assert not [s for s in SECRETS if s in text], text
     data = config_dump(settings())
     assert data["engine"]["extra_args"] == ["--api-key", REDACTED, f"--hf-token={REDACTED}", "--enforce-eager"]
-    assert data["engine_urls"] == [f"http://user:{REDACTED}@127.0.0.1:8100"]
-    assert data["otlp_traces_endpoint"].endswith(f"/v1/traces?access_token={REDACTED}&x=1")
+    assert data["discovery"]["engine_urls"] == [f"http://user:{REDACTED}@127.0.0.1:8100"]
+    assert data["gateway"]["otlp_traces_endpoint"].endswith(f"/v1/traces?access_token={REDACTED}&x=1")
     assert data["maintenance"]["grafana_url"] == f"http://admin:{REDACTED}@127.0.0.1:3000"
     assert data["tenants"][0] == {**data["tenants"][0], "name": "team-a", "api_keys": [REDACTED]}
 
@@ -63,8 +63,8 @@ def test_role_tokens_and_secret_files_are_redacted_but_the_file_paths_shown(tmp_
     """Issue 21: the alerts and metrics tokens are secrets like the admin token; a *_file setting is only a path."""
     (tmp_path / "metrics").write_text("m-s3cr3t\n")
     data = config_dump(Settings(alerts_token="a-s3cr3t", metrics_token_file=tmp_path / "metrics"))
-    assert data["alerts_token"] == REDACTED and data["metrics_token"] == REDACTED
-    assert data["metrics_token_file"] == str(tmp_path / "metrics")
+    assert data["gateway"]["alerts_token"] == REDACTED and data["gateway"]["metrics_token"] == REDACTED
+    assert data["gateway"]["metrics_token_file"] == str(tmp_path / "metrics")
     assert "s3cr3t" not in yaml.safe_dump(data)
 
 
@@ -72,8 +72,8 @@ def test_a_token_used_as_a_url_user_name_is_redacted():
     """Issue 21: ``http://tok@host`` (a token as the user name, no password) printed the token."""
     data = config_dump(Settings(otlp_traces_endpoint="http://tok-xyz@127.0.0.1:4318/v1/traces",
                                 engine_urls=["http://u:hunter2@127.0.0.1:8100"]))
-    assert data["otlp_traces_endpoint"] == f"http://{REDACTED}@127.0.0.1:4318/v1/traces"
-    assert data["engine_urls"] == [f"http://u:{REDACTED}@127.0.0.1:8100"]
+    assert data["gateway"]["otlp_traces_endpoint"] == f"http://{REDACTED}@127.0.0.1:4318/v1/traces"
+    assert data["discovery"]["engine_urls"] == [f"http://u:{REDACTED}@127.0.0.1:8100"]
 
 
 def test_credentials_inside_k_v_arguments_and_urls_inside_flags_are_redacted():

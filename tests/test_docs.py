@@ -52,3 +52,14 @@ def test_the_readme_opens_with_the_two_commands_then_what_you_get():
         assert first < text.index(later), later
     assert text.index("APPLIANCE_MODEL=") < text.index("download.pytorch.org")  # the wheel detail comes later
     assert len(text[:text.index("APPLIANCE_MODEL=")].splitlines()) < 45
+
+
+def test_the_earlier_names_table_lists_every_alias():
+    """Issue 22: every top-level key that moved into a section is still accepted; the docs say where it went."""
+    from appliance.settings import FLAT_ALIASES
+
+    table = DOC.read_text().split("## Earlier names", 1)[1]
+    rows = set(re.findall(r"^\| `([a-z0-9_.]+)` \| `([a-z0-9_]+)` \| `(APPLIANCE_[A-Z0-9_]+)` \|$", table, re.M))
+    expected = {(f"{section}.{key}", flat, f"APPLIANCE_{flat.upper()}")
+                for flat, (section, key) in FLAT_ALIASES.items()}
+    assert rows == expected

@@ -28,7 +28,7 @@ def secret(tmp_path: Path, name: str, text: str, mode: int = 0o600) -> Path:
 def test_every_secret_comes_from_its_file_and_the_file_wins_nothing_when_both_are_set(tmp_path, pair) -> None:
     path = secret(tmp_path, pair.file, "  s3cret-value\n")
     loaded = load_settings(**{pair.file: path})
-    assert getattr(loaded, pair.value) == (["s3cret-value"] if pair.many else "s3cret-value")
+    assert getattr(loaded.gateway, pair.value) == (["s3cret-value"] if pair.many else "s3cret-value")
     with pytest.raises(ConfigError) as both:
         load_settings(**{pair.file: path, pair.value: ["other"] if pair.many else "other"})
     assert pair.value in str(both.value) and pair.file in str(both.value) and "s3cret" not in str(both.value)
@@ -48,7 +48,7 @@ def test_a_missing_empty_or_unreadable_file_is_a_config_error_naming_it(tmp_path
 
 def test_the_api_keys_file_holds_one_key_a_line_with_comments_and_blank_lines_ignored(tmp_path) -> None:
     path = secret(tmp_path, "keys", "# the team's keys\nkey-one\n\n  key-two  \n# key-three (revoked)\n")
-    assert Settings(api_keys_file=path).api_keys == ["key-one", "key-two"]
+    assert Settings(api_keys_file=path).gateway.api_keys == ["key-one", "key-two"]
     with pytest.raises(ConfigError, match="holds no key"):
         load_settings(api_keys_file=secret(tmp_path, "only-comments", "# none yet\n"))
 
@@ -58,7 +58,7 @@ def test_files_are_read_again_when_the_configuration_is(tmp_path) -> None:
     path = secret(tmp_path, "token", "first")
     loaded = load_settings(admin_token_file=path)
     path.write_text("second\n")
-    assert loaded.source is not None and loaded.source.load().admin_token == "second"
+    assert loaded.source is not None and loaded.source.load().gateway.admin_token == "second"
 
 
 def test_the_environment_names_files_and_the_cli_exits_2_with_a_clear_message(tmp_path) -> None:
@@ -80,4 +80,4 @@ def test_the_environment_names_files_and_the_cli_exits_2_with_a_clear_message(tm
 def test_an_empty_file_setting_is_unset_like_an_empty_model(monkeypatch) -> None:
     """Compose passes an unset variable as "": that names no file (it would read the current folder)."""
     monkeypatch.setenv("APPLIANCE_API_KEYS_FILE", "")
-    assert load_settings().api_keys_file is None
+    assert load_settings().gateway.api_keys_file is None

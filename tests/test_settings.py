@@ -1,8 +1,10 @@
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from appliance.settings import ConfigError, load_settings
+from appliance.settings import FLAT_ALIASES, ConfigError, Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +24,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_match_the_contract():
     settings = load_settings()
-    assert settings.port == 8000
-    assert settings.host == "127.0.0.1"
-    assert settings.api_keys == []
+    assert settings.gateway.port == 8000
+    assert settings.gateway.host == "127.0.0.1"
+    assert settings.gateway.api_keys == []
     assert settings.engine.max_model_len > 0
 
 
@@ -36,7 +38,7 @@ def test_yaml_then_environment_wins(tmp_path, monkeypatch):
     assert settings.replicas == 2
     assert settings.engine.max_model_len == 256
     assert settings.engine.max_num_seqs == 4
-    assert settings.api_keys == ["k1", "k2"]
+    assert settings.gateway.api_keys == ["k1", "k2"]
 
 
 @pytest.mark.parametrize(
@@ -153,3 +155,103 @@ def test_reload_sees_the_derived_values_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("APPLIANCE_MODEL", str(_checkpoint(tmp_path, max_position_embeddings=8192)))
     settings = load_settings()
     assert changed_keys(settings, settings.source.load()) == []
+
+
+# -- issue 22: sections follow the package map; the earlier top-level names keep working ---------------------------
+
+# A valid value for each earlier key, as the environment would give it, and as the section then holds it.
+SAMPLES: dict[str, tuple[str, object]] = {
+    "host": ("0.0.0.0", "0.0.0.0"), "port": ("8001", 8001), "api_keys": ("k1,k2", ["k1", "k2"]),
+    "admin_token": ("adm", "adm"), "alerts_token": ("al", "al"), "metrics_token": ("met", "met"),
+    "slo_ttft_p95_seconds": ("0.5", 0.5), "drain_timeout_seconds": ("30", 30.0),
+    "request_timeout_seconds": ("90", 90.0), "upstream_idle_timeout_seconds": ("20", 20.0),
+    "max_request_bytes": ("4096", 4096), "otlp_traces_endpoint": ("http://otel:4318/v1/traces",
+                                                                  "http://otel:4318/v1/traces"),
+    "trace_sample_ratio": ("0.25", 0.25), "engine_base_port": ("9100", 9100), "engine_host": ("0.0.0.0", "0.0.0.0"),
+    "engine_advertise_host": ("appliance", "appliance"), "engine_log_max_bytes": ("4096", 4096),
+    "engine_log_backups": ("2", 2), "engine_log_stdout": ("true", True),
+    "restart_backoff_initial_seconds": ("2", 2.0), "restart_backoff_max_seconds": ("30", 30.0),
+    "engine_urls": ("http://a:8100, http://b:8100", ["http://a:8100", "http://b:8100"]),
+}
+FILE_KEYS = {"api_keys_file", "admin_token_file", "alerts_token_file", "metrics_token_file"}  # test_secret_files
+
+
+def test_every_earlier_name_has_a_sample_or_is_a_secret_file():
+    assert set(FLAT_ALIASES) == set(SAMPLES) | FILE_KEYS
+
+
+@pytest.mark.parametrize("flat", sorted(SAMPLES))
+def test_every_earlier_name_works_in_the_environment_and_the_file(flat, tmp_path, monkeypatch):
+    section, key = FLAT_ALIASES[flat]
+    raw, expected = SAMPLES[flat]
+    monkeypatch.setenv(f"APPLIANCE_{flat.upper()}", raw)
+    assert getattr(getattr(load_settings(), section), key) == expected
+    monkeypatch.delenv(f"APPLIANCE_{flat.upper()}")
+    import yaml
+
+    loaded = load_settings(write(tmp_path, yaml.safe_dump({flat: expected})))
+    assert getattr(getattr(loaded, section), key) == expected
+    assert getattr(getattr(Settings(**{flat: expected}), section), key) == expected
+
+
+def test_both_spellings_in_one_source_are_refused_naming_both(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"port and gateway\.port are both set in .*appliance\.yaml"):
+        load_settings(write(tmp_path, "port: 8001\ngateway:\n  port: 8002\n"))
+    monkeypatch.setenv("APPLIANCE_ENGINE_BASE_PORT", "9100")
+    monkeypatch.setenv("APPLIANCE_ENGINE__BASE_PORT", "9200")
+    with pytest.raises(ConfigError, match=r"engine_base_port and engine\.base_port are both set in the environment"):
+        load_settings()
+
+
+def test_an_invalid_value_names_the_key_and_its_earlier_name(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_PORT", "0")
+    with pytest.raises(ConfigError, match=r"gateway\.port \(earlier name port\)"):
+        load_settings()
+
+
+PRECEDENCE = ("file", "env", "argument")  # lowest first
+
+
+@given(st.lists(st.tuples(st.sampled_from(PRECEDENCE), st.booleans()), min_size=1, max_size=6,
+                unique_by=lambda given: given[0]),
+       st.sampled_from(["port", "engine_base_port", "drain_timeout_seconds", "engine_log_backups"]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_highest_source_wins_whichever_spelling_each_uses(tmp_path, monkeypatch, givens, flat):
+    """Invariant: each source gives the key once, under its earlier or its sectioned name; the value read is the
+    one of the highest source that gave it, whatever names the others used."""
+    import yaml
+
+    section, key = FLAT_ALIASES[flat]
+    values = {source: 9000 + 7 * index + 2 for index, source in enumerate(PRECEDENCE)}  # far from each other
+    file: dict[str, object] = {}
+    arguments: dict[str, object] = {}
+    with monkeypatch.context() as env:
+        for source, earlier in givens:
+            value = values[source]
+            if source == "env":
+                env.setenv(f"APPLIANCE_{flat.upper()}" if earlier else f"APPLIANCE_{section.upper()}__{key.upper()}",
+                           str(value))
+            else:
+                target = file if source == "file" else arguments
+                if earlier:
+                    target[flat] = value
+                else:
+                    target[section] = {key: value}
+        path = write(tmp_path, yaml.safe_dump(file)) if file else None
+        loaded = load_settings(path, **arguments)
+    winner = max((source for source, _ in givens), key=PRECEDENCE.index)
+    assert getattr(getattr(loaded, section), key) == values[winner]
+
+
+def test_a_copy_refuses_keys_that_are_not_settings():
+    """Issue 22: `appliance up` filled its generated admin token with model_copy(update={"admin_token": ...}) after
+    the key moved into the gateway section: pydantic kept a stray attribute and /admin stayed off. A copy now
+    refuses such a key; a section's key goes through replaced()."""
+    settings = Settings()
+    with pytest.raises(KeyError, match="admin_token"):
+        settings.model_copy(update={"admin_token": "t0ken"})
+    with pytest.raises(KeyError, match="not keys of gateway: admin_tokn"):
+        settings.replaced({"gateway.admin_tokn": "t0ken"})
+    filled = settings.replaced({"gateway.admin_token": "t0ken", "replicas": 2})
+    assert filled.gateway.admin_token == "t0ken" and filled.replicas == 2 and settings.gateway.admin_token is None
+    assert filled.credentials.admin_token == "t0ken"

@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.serve import serve
 
     settings = load(args)
-    if not settings.engine_urls and settings.role != "gateway":  # a gateway finds its engines, it runs none
+    if not settings.discovery.engine_urls and settings.role != "gateway":  # a gateway finds its engines, it runs none
         if settings.model is None:
             raise ConfigError("model is not set (APPLIANCE_MODEL or `model:` in --config); "
                               "`appliance up` builds and serves the demo model")
@@ -64,8 +64,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     setup_logging(settings.log_level)
     if settings.model is None:
         settings = settings.model_copy(update={"model": ensure_demo_model(settings.state_dir / "models")})
-    if settings.admin_token is None:
-        settings = settings.model_copy(update={"admin_token": ensure_admin_token(settings.state_dir)})
+    if settings.gateway.admin_token is None:
+        settings = settings.replaced({"gateway.admin_token": ensure_admin_token(settings.state_dir)})
         print(f"appliance: admin token in {settings.state_dir / 'admin-token'} (status/drain/restart read it there; "
               "Alertmanager posts alerts with it)")
     monitoring = None
@@ -75,7 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         monitoring = LocalMonitoring(settings)
         for service in monitoring.start():
             print(f"appliance: {service.name:<12} {service.url}")
-    base = f"http://{settings.host}:{settings.port}"
+    base = f"http://{settings.gateway.host}:{settings.gateway.port}"
     print(f"appliance: gateway      {base}/v1  (model '{settings.served_model_name}', {settings.replicas} replica(s))")
     print(f"appliance: metrics      {base}/metrics   health {base}/health/ready")
     print(f"appliance: logs         {settings.state_dir / 'logs'}")

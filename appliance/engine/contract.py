@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from appliance.engine.placement import Placement
 
 if TYPE_CHECKING:
-    from appliance.settings import Settings
+    from appliance.engine.settings import EngineSettings
 
 
 class ReplicaState(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and f-strings of a shared contract
@@ -118,9 +118,10 @@ class Fleet(Protocol):
 class Reconfigurable(Protocol):
     """A fleet that can rebuild its replicas' engine command lines from new settings (``appliance reload``)."""
 
-    def stage(self, settings: Settings) -> None:
-        """Build every replica's engine command and environment from ``settings``; each replica uses them from
-        its next start on (the rolling restart that follows, or a crash restart), never mid-life."""
+    def stage(self, engine: EngineSettings) -> None:
+        """Build every replica's engine command and environment from a new engine section (what a reload rolls);
+        each replica uses them from its next start on (the rolling restart that follows, or a crash restart), never
+        mid-life."""
         ...
 
     def unstage(self) -> None:

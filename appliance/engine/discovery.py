@@ -134,7 +134,7 @@ class DnsFleet:
     @classmethod
     def from_settings(cls, settings: Settings, registry: CollectorRegistry | None = None) -> DnsFleet:
         discovery = settings.discovery
-        ports = [settings.engine_base_port + i for i in range(discovery.engines_per_node)]
+        ports = [settings.engine.base_port + i for i in range(discovery.engines_per_node)]
         return cls(resolver_for(discovery), ports=ports, interval_seconds=discovery.interval_seconds,
                    registry=registry)
 

@@ -1,4 +1,4 @@
-"""The engine section of the settings (``engine.*``, ``discovery.*``): owned here, beside the code that builds
+"""The engine sections of the settings (``engine.*``, ``discovery.*``): owned here, beside the code that builds
 engine command lines and finds engines, and composed into :class:`appliance.settings.Settings`."""
 
 from __future__ import annotations
@@ -14,10 +14,34 @@ from appliance.model.shape import KvCacheDtype
 
 
 class EngineSettings(BaseModel):
-    """Engine settings, named as vLLM names its own flags (``max_model_len`` is ``--max-model-len``)."""
+    """The engine replicas this appliance runs: where they listen and log, how crashes are retried, and vLLM's own
+    settings, named as vLLM names its flags (``max_model_len`` is ``--max-model-len``). The first eight keys were
+    top-level ``engine_*`` and ``restart_backoff_*`` keys before this section: those names keep working in YAML and
+    as ``APPLIANCE_<KEY>`` (appliance.settings.FLAT_ALIASES)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    base_port: int = Field(8100, ge=1, le=65000, description="Replica i listens on this port + i.")
+    host: str = Field(
+        "127.0.0.1", description="Engines' bind address. Keep loopback unless Prometheus scrapes them from another "
+        "network namespace (compose: the appliance's alias on an internal network only Prometheus shares)."
+    )
+    advertise_host: str | None = Field(
+        None, description="Host name /sd/targets gives Prometheus for the engines; default engine.host "
+        "(compose: the appliance service's name)."
+    )
+    log_max_bytes: int = Field(
+        50_000_000, ge=1024, description="Each engine's log (state_dir/logs/engine-N.log) rotates at this size."
+    )
+    log_backups: int = Field(
+        3, ge=1, description="Rotated engine logs kept (engine-N.log.1 ...); at least one, or nothing rotates."
+    )
+    log_stdout: bool = Field(
+        False, description="Engine output also on the appliance's stdout, each line prefixed [replica-N] "
+        "(compose and the image: true, so that `docker logs` shows it)."
+    )
+    restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
+    restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")
     max_model_len: int | None = Field(
         None, ge=16, description="Longest prompt + completion, in tokens. Unset: the model's own limit from its "
         "config.json, as vLLM derives it (1024 with no model: the demo model's)."
@@ -71,17 +95,22 @@ class EngineSettings(BaseModel):
 
 
 class DiscoverySettings(BaseModel):
-    """Gateway role: engines found by DNS (a Kubernetes headless Service), re-resolved on an interval."""
+    """Engines this process routes to without running them: fixed URLs (role all), or found by DNS (role gateway:
+    a Kubernetes headless Service), re-resolved on an interval."""
 
     model_config = ConfigDict(extra="forbid")
 
+    engine_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Role all: route to these engines (comma-separated URLs) instead of "
+        "starting any (the top-level engine_urls before this section, still accepted)."
+    )
     name: str | None = Field(
         None, description="DNS name whose A/AAAA records are the node addresses (e.g. the headless Service "
         "appliance-engines.NAMESPACE.svc.cluster.local); required when role is gateway."
     )
     interval_seconds: float = Field(5.0, gt=0, description="How often the name is resolved again.")
     engines_per_node: int = Field(
-        1, ge=1, le=64, description="Engines behind each address, at engine_base_port + i (the node's replicas)."
+        1, ge=1, le=64, description="Engines behind each address, at engine.base_port + i (the node's replicas)."
     )
     nameserver: str | None = Field(
         None, description="host:port of the DNS server to ask (tests, or a resolver other than the system's); "
@@ -90,6 +119,13 @@ class DiscoverySettings(BaseModel):
     resolve_timeout_seconds: float = Field(
         2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
     )
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
 
     @field_validator("nameserver")
     @classmethod

@@ -5,50 +5,73 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
 from appliance.engine.contract import ReplicaState
-from appliance.engine.placement import detect_device, plan_placements
+from appliance.engine.placement import Placement, detect_device, plan_placements
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
+from appliance.engine.settings import EngineSettings
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> list[ReplicaSpec]:
-    """One spec per replica: its port, its device slice, its command line and its log file. ``extra_env`` is
-    what other parts need in every engine's environment (the collectors' engine plugin: where to write its
-    statistics); the composition root supplies it."""
-    device = detect_device(settings.device)
-    placements = plan_placements(
-        settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
-    )
-    assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
-    specs = []
-    for index, placement in enumerate(placements):
-        port = settings.engine_base_port + index
-        argv = engine_argv(model, settings.served_model_name, port, settings.engine, host=settings.engine_host)
-        argv += engine_memory_argv(placement, settings.engine)
-        specs.append(
-            ReplicaSpec(
-                index=index,
-                port=port,
-                command=launcher_command(argv),
-                env={**engine_env(placement, settings.engine), **(extra_env or {})},
-                placement=placement,
-                log_path=settings.state_dir / "logs" / f"engine-{index}.log",
-                start_timeout_seconds=settings.engine.start_timeout_seconds,
-                stop_timeout_seconds=float(settings.engine.shutdown_timeout_seconds),
-                host=connect_host(settings.engine_host),
-                log_max_bytes=settings.engine_log_max_bytes,
-                log_backups=settings.engine_log_backups,
-                log_stdout=settings.engine_log_stdout,
-            )
+@dataclass(frozen=True)
+class FleetPlan:
+    """What a fleet's replicas are built from besides the engine section, fixed for the fleet's life: the model, the
+    name it is served as, each replica's device slice, where logs go, and the environment other parts add (the
+    collectors' engine plugin: where to write its statistics). A reload rolls a new engine section onto the same
+    plan (``Supervisor.stage``)."""
+
+    model: Path
+    served_model_name: str
+    placements: tuple[Placement, ...]
+    state_dir: Path
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> FleetPlan:
+        device = detect_device(settings.device)
+        placements = plan_placements(
+            settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
         )
-    return specs
+        assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
+        return cls(model, settings.served_model_name, tuple(placements), settings.state_dir, dict(extra_env or {}))
+
+    def specs(self, engine: EngineSettings) -> list[ReplicaSpec]:
+        """One spec per replica: its port, its device slice, its command line and its log file."""
+        specs = []
+        for index, placement in enumerate(self.placements):
+            port = engine.base_port + index
+            argv = engine_argv(self.model, self.served_model_name, port, engine, host=engine.host)
+            argv += engine_memory_argv(placement, engine)
+            specs.append(
+                ReplicaSpec(
+                    index=index,
+                    port=port,
+                    command=launcher_command(argv),
+                    env={**engine_env(placement, engine), **self.extra_env},
+                    placement=placement,
+                    log_path=self.state_dir / "logs" / f"engine-{index}.log",
+                    start_timeout_seconds=engine.start_timeout_seconds,
+                    stop_timeout_seconds=float(engine.shutdown_timeout_seconds),
+                    host=connect_host(engine.host),
+                    log_max_bytes=engine.log_max_bytes,
+                    log_backups=engine.log_backups,
+                    log_stdout=engine.log_stdout,
+                )
+            )
+        return specs
+
+
+def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> list[ReplicaSpec]:
+    """One spec per replica of ``settings`` (``appliance config --engines`` prints them). ``extra_env`` is what
+    other parts need in every engine's environment; the composition root supplies it."""
+    return FleetPlan.of(settings, model, extra_env).specs(settings.engine)
 
 
 def connect_host(bind_host: str) -> str:
@@ -62,18 +85,23 @@ def connect_host(bind_host: str) -> str:
 class Supervisor:
     """Owns the replicas. The gateway asks it which replicas exist and in which state they are."""
 
-    def __init__(self, specs: list[ReplicaSpec], *, backoff_initial: float = 1.0, backoff_max: float = 60.0):
+    def __init__(self, specs: list[ReplicaSpec], *, backoff_initial: float = 1.0, backoff_max: float = 60.0,
+                 plan: FleetPlan | None = None):
+        """``plan``: what ``stage`` rebuilds the specs from (None: a fleet of hand-made specs, which cannot)."""
         self.replicas = [SupervisedReplica(s, backoff_initial=backoff_initial, backoff_max=backoff_max) for s in specs]
+        self._plan = plan
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, extra_env: Mapping[str, str] | None = None) -> Supervisor:
         if settings.model is None:
             raise ValueError("no model configured: set `model` (or run `appliance up` for the demo model)")
+        plan = FleetPlan.of(settings, settings.model, extra_env)
         return cls(
-            build_specs(settings, settings.model, extra_env),
-            backoff_initial=settings.restart_backoff_initial_seconds,
-            backoff_max=settings.restart_backoff_max_seconds,
+            plan.specs(settings.engine),
+            backoff_initial=settings.engine.restart_backoff_initial_seconds,
+            backoff_max=settings.engine.restart_backoff_max_seconds,
+            plan=plan,
         )
 
     async def start(self) -> None:
@@ -89,12 +117,13 @@ class Supervisor:
             await self._session.close()
             self._session = None
 
-    def stage(self, settings: Settings) -> None:
-        """``Reconfigurable``: new specs from ``settings`` for every replica, used from its next start on. Ports,
-        placements and the replica count must not change (the reload refuses those before it gets here)."""
-        if settings.model is None:
-            raise ValueError("no model configured")
-        specs = build_specs(settings, settings.model)
+    def stage(self, engine: EngineSettings) -> None:
+        """``Reconfigurable``: new specs from a new engine section for every replica, on the plan the fleet was built
+        on (model, devices, logs, the environment other parts add), used from each replica's next start on. Ports
+        must not change (the reload refuses that before it gets here)."""
+        if self._plan is None:
+            raise ValueError("this fleet was built from specs, not settings: there is nothing to rebuild them from")
+        specs = self._plan.specs(engine)
         if [s.port for s in specs] != [r.spec.port for r in self.replicas]:
             raise ValueError("a reload cannot change the replicas' ports or count")
         for replica, spec in zip(self.replicas, specs, strict=True):

@@ -22,6 +22,7 @@ from appliance.gateway.fleet_metrics import FleetCollector
 from appliance.gateway.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.proxy import Upstream
 from appliance.gateway.router import Router
+from appliance.gateway.settings import GatewaySettings
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
@@ -69,17 +70,18 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                           drift_seconds=settings.admission.slot_drift_seconds,
                           fair_share=settings.admission.fair_share,
                           share_window_seconds=settings.admission.share_window_seconds)
-    request_metrics = RequestMetrics(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds)
-    tenants = TenantDirectory(settings.tenants, settings.api_keys)
+    slo = settings.gateway.slo_ttft_p95_seconds
+    request_metrics = RequestMetrics(registry, slo_ttft_seconds=slo)
+    tenants = TenantDirectory(settings.tenants, settings.gateway.api_keys)
     quotas = Quotas(tenants.tenants())
-    accounting = TenantAccounting(registry, slo_ttft_seconds=settings.slo_ttft_p95_seconds, ratios=quotas.ratios)
+    accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=quotas.ratios)
     accounting.configure(tenant.name for tenant in tenants.tenants())
     registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()]))
-    tracer_provider = build_tracer_provider(settings, span_exporter)
+    tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
-                        timeout_seconds=settings.request_timeout_seconds,
-                        idle_timeout_seconds=settings.upstream_idle_timeout_seconds,
-                        tracing=_records_traces(settings, span_exporter), accounting=accounting, quotas=quotas,
+                        timeout_seconds=settings.gateway.request_timeout_seconds,
+                        idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
+                        tracing=_records_traces(settings.gateway, span_exporter), accounting=accounting, quotas=quotas,
                         migration_limit=settings.routing.migration_limit,
                         max_model_len=settings.engine.max_model_len)
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
@@ -87,7 +89,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas)
 
 
-def _records_traces(settings: Settings, exporter: SpanExporter | None) -> bool:
+def _records_traces(settings: GatewaySettings, exporter: SpanExporter | None) -> bool:
     return bool(settings.otlp_traces_endpoint or exporter) and settings.trace_sample_ratio > 0
 
 
@@ -97,5 +99,5 @@ def _limit_factory(settings: Settings) -> Callable[[], AIMDLimit] | None:
         return None
     ceiling = admission.max_limit or settings.engine.max_num_seqs
     initial = admission.initial_limit or ceiling
-    target = settings.slo_ttft_p95_seconds * admission.target_ttft_fraction
+    target = settings.gateway.slo_ttft_p95_seconds * admission.target_ttft_fraction
     return lambda: AIMDLimit(initial, admission.min_limit, ceiling, target, admission.decrease_factor)

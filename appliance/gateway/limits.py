@@ -24,16 +24,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.http.auth import refusal
+from appliance.http.credentials import Credentials
 from appliance.http.errors import APIError, ErrorHook, error_response
-
-if TYPE_CHECKING:
-    from appliance.settings import Settings
 
 RETRY_AFTER_SECONDS = 1  # a full budget frees as uploads finish (or time out): retry soon, or elsewhere
 
@@ -135,10 +132,10 @@ class _Body:
 
 
 class RequestIntake:
-    def __init__(self, app: ASGIApp, max_bytes: int, *, settings: Callable[[], Settings], body_timeout: float,
+    def __init__(self, app: ASGIApp, max_bytes: int, *, credentials: Callable[[], Credentials], body_timeout: float,
                  budget: BodyBudget, on_reject: ErrorHook | None = None) -> None:
         self.app = app
-        self.settings = settings  # the live settings (a reload replaces the keys the key check reads)
+        self.credentials = credentials  # the live ones (a reload replaces the keys the key check reads)
         self.max_bytes = max_bytes
         self.body_timeout = body_timeout
         self.budget = budget
@@ -151,7 +148,7 @@ class RequestIntake:
         scope["appliance.arrived"] = time.monotonic()
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization")
-        denied = refusal(self.settings(), route_path(scope),
+        denied = refusal(self.credentials(), route_path(scope),
                          authorization.decode("latin-1") if authorization is not None else None)
         if denied is not None:
             await self._answer(scope, receive, send, denied)

@@ -1,12 +1,94 @@
-"""The gateway's sections of the settings (``routing.*``, ``admission.*``, ``intake.*``): owned here, beside the
-router, admission control and intake limits they configure, and composed into :class:`appliance.settings.Settings`."""
+"""The gateway's sections of the settings (``gateway.*``: listen, auth, timeouts, tracing, SLO; ``routing.*``,
+``admission.*``, ``intake.*``): owned here, beside the server, router, admission control and intake limits they
+configure, and composed into :class:`appliance.settings.Settings`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
+
+from appliance.monitoring.config import ttft_slo_seconds
+from appliance.secret_files import SECRET_PAIRS, resolve_secrets
+
+SECRET_FIELDS = tuple(name for pair in SECRET_PAIRS for name in (pair.value, pair.file))
+
+
+class GatewaySettings(BaseModel):
+    """The gateway process: where it listens, who may call it, how long a request may take, where its traces go,
+    and the latency it aims at. Each key was a top-level one before this section (``port``, ``api_keys`` ...):
+    those names keep working in YAML and as ``APPLIANCE_<KEY>`` (appliance.settings.FLAT_ALIASES)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Gateway bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File holding api_keys, one a line (blank lines and # comments ignored); not with api_keys."
+    )
+    admin_token: str | None = Field(None, description="Bearer token for /admin; unset disables /admin.")
+    admin_token_file: Path | None = Field(
+        None, description="File holding admin_token (a compose secret, a Secret volume); not with admin_token."
+    )
+    alerts_token: str | None = Field(
+        None, description="Bearer token accepted on /admin/alerts only (Alertmanager's webhook), besides the admin "
+        "token; Alertmanager sends it when set, else the admin token."
+    )
+    alerts_token_file: Path | None = Field(None, description="File holding alerts_token; not with alerts_token.")
+    metrics_token: str | None = Field(
+        None, description="Read-only bearer token: when set, /metrics and /sd/targets need it (or the admin token) "
+        "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
+    )
+    metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
+    slo_ttft_p95_seconds: float = Field(
+        default_factory=ttft_slo_seconds, gt=0, description="Time-to-first-token SLO at P95, which admission "
+        "control aims at. Default: slos.ttft.threshold_seconds of alerts/config.yaml (0.8 as shipped), the SLO the "
+        "alerts page on; set it here only to aim admission elsewhere than the pages."
+    )
+    drain_timeout_seconds: float = Field(
+        120, gt=0, description="On SIGTERM, how long in-flight requests may run before engines stop."
+    )
+    request_timeout_seconds: float = Field(600, gt=0, description="Upper bound for one upstream request.")
+    upstream_idle_timeout_seconds: float = Field(
+        60, gt=0, description="Streams: longest silence from the engine (before the headers or between chunks) before "
+        "the stream is cut with an error event and its slot freed; non-streaming answers are bounded by "
+        "request_timeout_seconds only."
+    )
+    max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."
+    )
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
+        "(a caller's sampled traceparent keeps its trace id but does not force recording)."
+    )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")
+    @classmethod
+    def _empty_file_is_unset(cls, value: Any) -> Any:
+        """APPLIANCE_ADMIN_TOKEN_FILE= (compose passes an unset variable as "") means no file, not the folder "."."""
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _secrets_from_files(self) -> GatewaySettings:
+        """Each *_file setting fills its secret (appliance.secret_files): read whenever settings are built."""
+        for name, value in resolve_secrets({name: getattr(self, name) for name in SECRET_FIELDS}).items():
+            setattr(self, name, value)
+        return self
 
 ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix"]
 

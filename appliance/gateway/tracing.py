@@ -26,12 +26,12 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
-from appliance.settings import Settings
+from appliance.gateway.settings import GatewaySettings
 
 PROPAGATOR = TraceContextTextMapPropagator()
 
 
-def build_tracer_provider(settings: Settings, exporter: SpanExporter | None = None) -> TracerProvider:
+def build_tracer_provider(settings: GatewaySettings, exporter: SpanExporter | None = None) -> TracerProvider:
     ratio = settings.trace_sample_ratio if (settings.otlp_traces_endpoint or exporter) else 0.0
     provider = TracerProvider(resource=Resource.create({"service.name": "appliance-gateway"}),
                               sampler=TraceIdRatioBased(ratio))

@@ -2,16 +2,19 @@
 API keys at once, and roll the replicas onto the new engine settings, one at a time (the rolling restart, so
 ``min_ready_replicas`` holds).
 
-What applies at once (``HOT_KEYS``): ``tenants``, ``api_keys`` and ``api_keys_file`` -- the keys, each tenant's
-priority, weight and quota rates -- through the ``hot`` callback the composition root gives (the gateway's tenant
-directory, quotas and accounting, and the settings the key check reads). No restart: every tenant's quota bucket
-keeps its level (a tenant in debt stays in debt), a removed tenant's keys are refused from then on.
+What applies at once (``HOT_KEYS``): ``tenants``, ``gateway.api_keys`` and ``gateway.api_keys_file`` -- the keys,
+each tenant's priority, weight and quota rates -- through the ``hot`` callback the composition root gives (the
+gateway's tenant directory, quotas and accounting, and the settings the key check reads). No restart: every
+tenant's quota bucket keeps its level (a tenant in debt stays in debt), a removed tenant's keys are refused from
+then on.
 
-What can roll: the ``engine`` section (vLLM's flags, its environment, its timeouts), because each replica's
-command line is rebuilt from it at its next start. What cannot: anything else the running gateway, collectors or
-maintenance were built from at start (ports, host, replica count, model, served name, routing, admission, the admin
-and metrics tokens, maintenance ...), and ``engine.tensor_parallel_size`` (it changes which devices a replica
-holds, and replicas restarted one at a time would overlap the ones not yet restarted). A reload that changes any of
+What can roll: the ``engine`` section's vLLM settings (its flags, its environment, its timeouts), because each
+replica's command line is rebuilt from them at its next start (``Reconfigurable.stage`` takes the new section). What
+cannot: anything else the running gateway, collectors or maintenance were built from at start (the gateway section:
+ports, host, the admin and metrics tokens; replica count, model, served name, routing, admission, maintenance ...),
+the engine section's ``NOT_ROLLABLE_ENGINE_KEYS`` (where engines listen and log, and the supervisor's crash backoff,
+fixed when the fleet was built), and ``engine.tensor_parallel_size`` (it changes which devices a replica holds, and
+replicas restarted one at a time would overlap the ones not yet restarted). A reload that changes any of
 those is refused as a whole, with the keys listed, and nothing changes: restart the appliance for them. A reload
 that changes engine settings while a restart is in progress is refused as a whole too (nothing changes); one that
 changes only tenants and keys applies at once.
@@ -34,6 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
+from appliance.engine.settings import EngineSettings
 from appliance.maintenance.controller import MaintenanceController
 from appliance.maintenance.errors import MaintenanceBusy, MaintenanceError
 from appliance.maintenance.rolling import Outcome
@@ -41,8 +47,12 @@ from appliance.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
-NOT_ROLLABLE_ENGINE_KEYS = frozenset({"engine.tensor_parallel_size"})
-HOT_KEYS = ("tenants", "api_keys", "api_keys_file")  # applied at once, without a restart
+NOT_ROLLABLE_ENGINE_KEYS = frozenset({
+    "engine.tensor_parallel_size", "engine.base_port", "engine.host", "engine.advertise_host", "engine.log_max_bytes",
+    "engine.log_backups", "engine.log_stdout", "engine.restart_backoff_initial_seconds",
+    "engine.restart_backoff_max_seconds",
+})
+HOT_KEYS = ("tenants", "gateway.api_keys", "gateway.api_keys_file")  # applied at once, without a restart
 
 
 class ReloadUnavailable(MaintenanceError):
@@ -82,13 +92,22 @@ def changed_keys(old: Settings, new: Settings) -> list[str]:
     return keys
 
 
+def dotted_keys(settings: Settings) -> list[str]:
+    """Every key, one level into sections (``engine.max_num_seqs``), as ``changed_keys`` names them."""
+    keys: list[str] = []
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        keys += [f"{name}.{sub}" for sub in type(value).model_fields] if isinstance(value, BaseModel) else [name]
+    return keys
+
+
 def rollable(key: str) -> bool:
     return key.startswith("engine.") and key not in NOT_ROLLABLE_ENGINE_KEYS
 
 
 class ConfigReloader:
     def __init__(self, settings: Settings, controller: MaintenanceController,
-                 stage: Callable[[Settings], None] | None, unstage: Callable[[], None] | None = None,
+                 stage: Callable[[EngineSettings], None] | None, unstage: Callable[[], None] | None = None,
                  hot: Callable[[Settings], None] | None = None) -> None:
         """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods; None when the appliance does not run its
         engines (a reload then is unavailable: it could not be undone). ``hot``: applies the ``HOT_KEYS`` of a new
@@ -118,8 +137,8 @@ class ConfigReloader:
         blocked = [key for key in changed if not rollable(key) and key not in hot]
         if blocked:
             raise ReloadRefused(f"cannot roll {', '.join(blocked)} onto running replicas (only engine.* settings "
-                                "roll, except engine.tensor_parallel_size; tenants and api_keys apply at once); "
-                                "restart the appliance for these. Nothing changed.")
+                                f"roll, except {', '.join(sorted(NOT_ROLLABLE_ENGINE_KEYS))}; tenants and "
+                                "gateway.api_keys apply at once); restart the appliance for these. Nothing changed.")
         rolling = len(hot) < len(changed)
         if rolling and self._controller.busy:
             raise MaintenanceBusy("a restart is in progress; reload again when it is done")
@@ -128,7 +147,7 @@ class ConfigReloader:
         if not rolling:
             return ReloadResult(changed, False)
         previous = self.current
-        self._stage(new)
+        self._stage(new.engine)
         self.current = previous.model_copy(update={"engine": new.engine})
         reason = "reload: " + ", ".join(changed)
         log.info("maintenance: %s; rolling the replicas onto it", reason)
@@ -143,7 +162,7 @@ class ConfigReloader:
     def _apply_hot(self, new: Settings, keys: list[str]) -> None:
         assert self.hot is not None
         self.hot(new)
-        self.current = self.current.model_copy(update={key: getattr(new, key) for key in HOT_KEYS})
+        self.current = self.current.replaced({key: new.value_at(key) for key in HOT_KEYS})
         log.info("maintenance: reload applied %s at once", ", ".join(keys))
 
     def _roll_ended(self, outcome: Outcome, previous: Settings) -> None:
@@ -162,16 +181,17 @@ class ConfigReloader:
 
     @staticmethod
     def _fills_at_start(settings: Settings) -> dict[str, tuple[Any, Any]]:
-        """Top-level key -> (what the source gave at start, what the appliance runs with) where they differ."""
+        """Key (top-level, or one level into a section: ``gateway.admin_token``) -> (what the source gave at start,
+        what the appliance runs with) where they differ."""
         if settings.source is None:
             return {}
         try:
             loaded = settings.source.load()
         except ConfigError:
             return {}
-        return {key: (getattr(loaded, key), getattr(settings, key)) for key in Settings.model_fields
-                if getattr(loaded, key) != getattr(settings, key)}
+        return {key: (loaded.value_at(key), settings.value_at(key)) for key in dotted_keys(settings)
+                if loaded.value_at(key) != settings.value_at(key)}
 
     def _with_start_fills(self, new: Settings) -> Settings:
-        keep = {key: running for key, (given, running) in self._start_fills.items() if getattr(new, key) == given}
-        return new.model_copy(update=keep) if keep else new
+        keep = {key: running for key, (given, running) in self._start_fills.items() if new.value_at(key) == given}
+        return new.replaced(keep) if keep else new

@@ -1,7 +1,7 @@
 """Maintenance's HTTP surface: drain, undrain and restart one replica, the rolling restart, the Alertmanager
 webhook, and (role gateway) the restart lease node pods ask for before each restart. Admin token required, like
 every /admin route; the webhook also takes the alerts token, which opens nothing else (Alertmanager sends it with
-``http_config.authorization``; appliance/http/auth.py). Actions go through the
+``http_config.authorization``; appliance/http/auth.py, guards.py). Actions go through the
 maintenance controller, so each is logged, counted and annotated the same way whoever asks; refusals are
 ``MaintenanceError``s, mapped to HTTP by ``appliance.app``.
 """
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from appliance.context import AppContext, Context
 from appliance.engine.discovery import replica_name
 from appliance.http import json_body
-from appliance.http.auth import require_admin
 from appliance.http.errors import APIError
+from appliance.http.guards import require_admin
 from appliance.maintenance.coordination import LeaseBoard, NotCoordinator
 from appliance.maintenance.webhook import AlertmanagerPayload
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from appliance.collectors import engine_stats_dir
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
+from appliance.engine.settings import EngineSettings
 from appliance.maintenance.annotations import Annotator
 from appliance.maintenance.confirm import AlertConfirmation
 from appliance.maintenance.controller import MaintenanceController, http_warmer
@@ -75,13 +76,13 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                       data_path: DataPathView,
                       warm: Warmer | None = None, annotator: Annotator | None = None,
                       memory: MemoryWatch | None = None,
-                      stage: Callable[[Settings], None] | None = None,
+                      stage: Callable[[EngineSettings], None] | None = None,
                       unstage: Callable[[], None] | None = None) -> Maintenance:
     """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods when it can rebuild engine commands
     (``appliance reload``)."""
     m = settings.maintenance
     metrics = MaintenanceMetrics(registry, known_alerts=m.alert_actions)
-    timeouts = RestartTimeouts(drain_seconds=settings.drain_timeout_seconds,
+    timeouts = RestartTimeouts(drain_seconds=settings.gateway.drain_timeout_seconds,
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
     assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
@@ -150,9 +151,9 @@ def restart_coordinator(settings: Settings) -> RestartCoordinator:
     if settings.role != "node" or not m.coordinator_url:
         return LocalCoordinator()
     address = m.coordinator_address
-    if address is None and settings.engine_host not in ("0.0.0.0", "::", ""):
-        address = settings.engine_host
-    holder = f"{socket.gethostname()}/{address or 'pod'}:{settings.port}"
-    return GatewayLeaseCoordinator(m.coordinator_url, settings.admin_token, holder=holder, address=address,
+    if address is None and settings.engine.host not in ("0.0.0.0", "::", ""):
+        address = settings.engine.host
+    holder = f"{socket.gethostname()}/{address or 'pod'}:{settings.gateway.port}"
+    return GatewayLeaseCoordinator(m.coordinator_url, settings.gateway.admin_token, holder=holder, address=address,
                                    lease_seconds=m.coordinator_lease_seconds,
                                    timeout_seconds=m.coordinator_timeout_seconds)

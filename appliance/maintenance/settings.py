@@ -102,7 +102,7 @@ class MaintenanceSettings(BaseModel):
     )
     coordinator_address: str | None = Field(
         None, description="Role node: this node's address as the coordinating gateway's discovery sees it (the "
-        "pod IP); unset: engine_host unless it is a wildcard, else the address the gateway sees the request from."
+        "pod IP); unset: engine.host unless it is a wildcard, else the address the gateway sees the request from."
     )
     coordinator_lease_seconds: float = Field(
         60, gt=0, description="A restart lease expires this long after its last renewal (a node that dies "

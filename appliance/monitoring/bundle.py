@@ -53,17 +53,17 @@ def sd_bearer_token(settings: Settings) -> str | None:
     """The token Prometheus' HTTP SD sends to the gateway's /sd/targets: the read-only metrics token when set;
     else, when API keys close /sd/targets, the admin token, or (no admin token) the first API key; None when
     /sd/targets is open."""
-    if settings.metrics_token:
-        return settings.metrics_token
+    if settings.gateway.metrics_token:
+        return settings.gateway.metrics_token
     if not settings.all_api_keys:
         return None
-    return settings.admin_token or settings.all_api_keys[0]
+    return settings.gateway.admin_token or settings.all_api_keys[0]
 
 
 def alerts_bearer_token(settings: Settings) -> str | None:
     """The token Alertmanager's webhook sends to /admin/alerts: the alerts token, which opens that route only;
     else the admin token; None: the appliance's receiver is dropped (the route would answer 403)."""
-    return settings.alerts_token or settings.admin_token
+    return settings.gateway.alerts_token or settings.gateway.admin_token
 
 
 def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: str | None, prometheus: str,
@@ -97,7 +97,7 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
         scrape_interval_seconds=settings.monitoring.scrape_interval_seconds, sd_bearer_token=token,
-        metrics_bearer_token=settings.metrics_token),
+        metrics_bearer_token=settings.gateway.metrics_token),
         mode=0o644 if shared or token is None else 0o600)
     alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
     atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)

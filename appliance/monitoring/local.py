@@ -102,8 +102,8 @@ def alertmanager_argv(binary: str, bundle: Bundle, state: Path, port: int) -> li
 
 
 def _gateway_address(settings: Settings) -> str:
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    return f"{host}:{settings.port}"
+    host = "127.0.0.1" if settings.gateway.host in ("0.0.0.0", "::", "") else settings.gateway.host
+    return f"{host}:{settings.gateway.port}"
 
 
 def _wait_ready(service: Service, timeout: float) -> bool:

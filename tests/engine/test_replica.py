@@ -222,13 +222,17 @@ def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
 
     (tmp_path / "config.json").write_text("{}")  # a checkpoint: settings read its max_model_len
     settings = Settings(model=tmp_path, replicas=2, device="cpu", state_dir=tmp_path)
-    supervisor = Supervisor(build_specs(settings, tmp_path))
-    supervisor.stage(settings.model_copy(update={"engine": settings.engine.model_copy(update={"max_num_seqs": 7})}))
+    supervisor = Supervisor.from_settings(settings, {"APPLIANCE_ENGINE_STATS_DIR": str(tmp_path)})
+    supervisor.stage(settings.engine.model_copy(update={"max_num_seqs": 7}))
     for replica in supervisor.replicas:
         command = replica.staged_spec.command
         assert command[command.index("--max-num-seqs") + 1] == "7"
+        # the environment other parts add (the collectors' engine plugin) survives a reload: it was lost before
+        assert replica.staged_spec.env["APPLIANCE_ENGINE_STATS_DIR"] == str(tmp_path)
     with pytest.raises(ValueError):
-        supervisor.stage(settings.model_copy(update={"replicas": 3}))
+        supervisor.stage(settings.engine.model_copy(update={"base_port": settings.engine.base_port + 1}))
+    with pytest.raises(ValueError, match="nothing to rebuild"):
+        Supervisor(build_specs(settings, tmp_path)).stage(settings.engine)
 
 
 def test_a_dead_engine_leaves_routing_at_once_not_at_the_next_health_probe(tmp_path):

@@ -258,8 +258,8 @@ def test_the_node_state_volume_holds_the_engine_logs_and_caches(rendered):
         pod = pod_of(node)
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         replicas = int(env["APPLIANCE_REPLICAS"])
-        backups = int(env.get("APPLIANCE_ENGINE_LOG_BACKUPS", defaults.engine_log_backups))
-        max_bytes = int(env.get("APPLIANCE_ENGINE_LOG_MAX_BYTES", defaults.engine_log_max_bytes))
+        backups = int(env.get("APPLIANCE_ENGINE_LOG_BACKUPS", defaults.engine.log_backups))
+        max_bytes = int(env.get("APPLIANCE_ENGINE_LOG_MAX_BYTES", defaults.engine.log_max_bytes))
         logs = replicas * (backups + 1) * max_bytes
         state = next(v for v in pod["volumes"] if v["name"] == "state")
         assert quantity(state["emptyDir"]["sizeLimit"]) >= logs + 2**30, "room for logs plus 1 GiB of caches"
@@ -547,6 +547,6 @@ def test_the_pods_settings_load_their_secrets_from_the_mounted_files(rendered, r
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path / "state"))
     settings = load_settings(DEPLOY / "base" / "appliance.yaml")
     assert settings.role == role
-    assert settings.admin_token == "admin-secret" and settings.api_keys == ["key-one", "key-two"]
-    assert settings.metrics_token == "metrics-secret"
-    assert settings.alerts_token == ("alerts-secret" if role == "gateway" else None)
+    assert settings.gateway.admin_token == "admin-secret" and settings.gateway.api_keys == ["key-one", "key-two"]
+    assert settings.gateway.metrics_token == "metrics-secret"
+    assert settings.gateway.alerts_token == ("alerts-secret" if role == "gateway" else None)

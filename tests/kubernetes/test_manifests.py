@@ -115,7 +115,7 @@ def _pod(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu-demo"])
 def test_pods_drain_before_kill_and_run_locked_down(rendered, overlay):
     objects = rendered[overlay]
-    drain = Settings().drain_timeout_seconds
+    drain = Settings().gateway.drain_timeout_seconds
     config = yaml.safe_load((DEPLOY / "base" / "appliance.yaml").read_text())
     drain = config.get("drain_timeout_seconds", drain)
     for kind in ("Deployment", "StatefulSet"):

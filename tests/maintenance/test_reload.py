@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.context import context_of
+from appliance.engine.settings import EngineSettings
 from appliance.maintenance.reload import changed_keys
 from appliance.settings import Settings, load_settings
 from tests.maintenance.support import AUTH, actions, fleet, wait_idle
@@ -26,15 +27,15 @@ class StagingFleet:
 
     def __init__(self, replicas) -> None:
         self.replicas = replicas
-        self.staged: list[Settings] = []
+        self.staged: list[EngineSettings] = []
         self.unstaged = 0
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    def stage(self, settings: Settings) -> None:
-        self.staged.append(settings)
+    def stage(self, engine: EngineSettings) -> None:
+        self.staged.append(engine)
 
     def unstage(self) -> None:
         self.unstaged += 1
@@ -73,7 +74,7 @@ def test_engine_changes_roll_one_replica_at_a_time(reloadable):
     assert [r.status.restarts for r in stager.replicas] == [1, 1]
     restarts = [e for e in stager.replicas[0].events if e[0] == "restart"]
     assert all(routable_others >= 1 for _, _, routable_others, _ in restarts)  # one at a time
-    assert stager.staged[-1].engine.max_num_seqs == 8
+    assert stager.staged[-1].max_num_seqs == 8
     assert actions(registry, "rolling_restart", "ok", trigger="admin") == 1
     # the same file again: nothing changed, nothing restarted
     again = client.post("/admin/reload", headers=AUTH)
@@ -142,19 +143,21 @@ def test_reload_needs_the_admin_token_and_a_configuration_source(reloadable, mak
 def test_values_the_start_command_filled_in_are_kept(stubs, tmp_path):
     config = tmp_path / "appliance.yaml"
     config.write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "admin_token"}))
-    settings = load_settings(config).model_copy(update={"admin_token": "t0ken", "model": tmp_path})  # `up` does
+    settings = load_settings(config).replaced({"gateway.admin_token": "t0ken", "model": tmp_path})  # `up` does
     stager = StagingFleet(fleet([s.url for s in stubs]))
     with TestClient(create_app(settings, fleet=stager, registry=CollectorRegistry())) as client:
         edit(config, engine__max_num_seqs=4)
         response = client.post("/admin/reload", headers=AUTH)
         assert response.status_code == 202 and response.json()["changed"] == ["engine.max_num_seqs"]
-        assert stager.staged[-1].model == tmp_path and stager.staged[-1].admin_token == "t0ken"
+        assert stager.staged[-1].max_num_seqs == 4  # the fleet stages the engine section alone
+        current = context_of(client.app).maintenance.reloader.current
+        assert current.model == tmp_path and current.gateway.admin_token == "t0ken"
         wait_idle(client)
 
 
 def test_changed_keys_names_nested_keys():
     old, new = Settings(), Settings(engine={"max_num_seqs": 3}, port=9000)
-    assert changed_keys(old, new) == ["engine.max_num_seqs", "port"]
+    assert changed_keys(old, new) == ["engine.max_num_seqs", "gateway.port"]
 
 
 def test_cli_reload_prints_what_changed(reloadable, monkeypatch, capsys):
@@ -234,7 +237,7 @@ def test_flat_api_keys_reload_at_once(with_tenants):
     client, config, _stager = with_tenants
     edit(config, api_keys=["flat-key"])
     response = client.post("/admin/reload", headers=AUTH)
-    assert response.status_code == 200 and response.json()["changed"] == ["api_keys"]
+    assert response.status_code == 200 and response.json()["changed"] == ["gateway.api_keys"]
     assert complete(client, "flat-key") == 200
     assert context_of(client.app).gateway.tenants.identify("flat-key").name == "default"
 
@@ -248,7 +251,7 @@ def test_a_mixed_reload_applies_tenants_and_still_rolls(with_tenants):
     assert complete(client, "key-c") == 200 and complete(client, "key-a") == 401
     wait_idle(client)
     assert [r.status.restarts for r in stager.replicas] == [1, 1]
-    assert stager.staged[-1].engine.max_num_seqs == 8
+    assert stager.staged[-1].max_num_seqs == 8
 
 
 def test_a_tenant_reload_with_a_key_that_cannot_roll_changes_nothing(with_tenants):
@@ -256,7 +259,7 @@ def test_a_tenant_reload_with_a_key_that_cannot_roll_changes_nothing(with_tenant
     edit(config, port=9001, tenants=[{"name": "team-c", "api_keys": ["key-c"]}])
     response = client.post("/admin/reload", headers=AUTH)
     assert response.status_code == 409 and "port" in response.json()["error"]["message"]
-    assert response.json()["error"]["message"].startswith("cannot roll port onto")  # tenants are not a blocker
+    assert response.json()["error"]["message"].startswith("cannot roll gateway.port onto")  # tenants are not a blocker
     assert complete(client, "key-c") == 401 and complete(client, "key-b") == 200
 
 

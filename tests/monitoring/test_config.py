@@ -121,7 +121,7 @@ def test_a_derived_config_renders_the_same_as_the_file(raw: dict[str, Any]) -> N
 # --- what must agree with the file ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("settings_slo", [Settings().slo_ttft_p95_seconds, 0.65])
+@pytest.mark.parametrize("settings_slo", [Settings().gateway.slo_ttft_p95_seconds, 0.65])
 def test_configured_slo_thresholds_are_bucket_bounds_of_the_gateway(settings_slo: float) -> None:
     """The burn-rate SLI reads le="<threshold>": the gateway's histogram has that bucket whatever the appliance's
     own slo_ttft_p95_seconds is, because the threshold is one of its fixed LATENCY_BUCKETS."""
@@ -142,7 +142,7 @@ def test_a_threshold_between_buckets_is_refused(raw: dict[str, Any]) -> None:
 
 def test_the_settings_default_slo_is_the_configured_threshold() -> None:
     """Admission control aims at slo_ttft_p95_seconds; by default that is the SLO the alerts page on."""
-    assert Settings().slo_ttft_p95_seconds == load_config().slos.ttft.threshold_seconds
+    assert Settings().gateway.slo_ttft_p95_seconds == load_config().slos.ttft.threshold_seconds
 
 
 def test_the_settings_slo_follows_the_config_file_one_way(raw: dict[str, Any], tmp_path, monkeypatch) -> None:
@@ -152,8 +152,8 @@ def test_the_settings_slo_follows_the_config_file_one_way(raw: dict[str, Any], t
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     monkeypatch.setattr(config_module, "CONFIG_PATH", path)
-    assert Settings().slo_ttft_p95_seconds == 1.0
-    assert Settings(slo_ttft_p95_seconds=0.65).slo_ttft_p95_seconds == 0.65
+    assert Settings().gateway.slo_ttft_p95_seconds == 1.0
+    assert Settings(slo_ttft_p95_seconds=0.65).gateway.slo_ttft_p95_seconds == 0.65
     path.write_text("slos: [")
     with pytest.raises(MonitoringConfigError, match="not valid YAML"):
         Settings()
@@ -183,7 +183,7 @@ def test_the_settings_slo_follows_the_assets_the_appliance_serves(raw: dict[str,
     (tmp_path / "alerts").mkdir()
     (tmp_path / "alerts" / "config.yaml").write_text(yaml.safe_dump(raw))
     monkeypatch.setattr(config_module, "CONFIG_PATH", tmp_path / "not-installed" / "config.yaml")
-    assert Settings(monitoring={"assets_dir": tmp_path}).slo_ttft_p95_seconds == 1.0
+    assert Settings(monitoring={"assets_dir": tmp_path}).gateway.slo_ttft_p95_seconds == 1.0
     monkeypatch.setenv("APPLIANCE_MONITORING__ASSETS_DIR", str(tmp_path))
-    assert Settings().slo_ttft_p95_seconds == 1.0
-    assert Settings(slo_ttft_p95_seconds=0.65).slo_ttft_p95_seconds == 0.65
+    assert Settings().gateway.slo_ttft_p95_seconds == 1.0
+    assert Settings(slo_ttft_p95_seconds=0.65).gateway.slo_ttft_p95_seconds == 0.65

@@ -68,7 +68,7 @@ def test_check_mode_fails_on_stale_files_and_passes_on_fresh(tmp_path: Path, cap
 def test_ttft_threshold_is_a_histogram_bucket(config: dict) -> None:
     """Burn-rate rules read the le="<threshold>" bucket: it must exist, or the SLI is silently empty."""
     threshold = config["slos"]["ttft"]["threshold_seconds"]
-    assert threshold in buckets_with(LATENCY_BUCKETS, [Settings().slo_ttft_p95_seconds])
+    assert threshold in buckets_with(LATENCY_BUCKETS, [Settings().gateway.slo_ttft_p95_seconds])
     assert f'le="{threshold}"' in (ALERTS / rules.RECORDING_FILE).read_text()
 
 

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from appliance.context import Context
-from appliance.http.auth import require_api_key_or_admin, require_metrics
+from appliance.http.guards import require_api_key_or_admin, require_metrics
 
 router = APIRouter(tags=["observability"])
 
@@ -29,7 +29,7 @@ async def sd_targets(ctx: Context) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = []
     for replica in ctx.replicas():
         url = urlsplit(replica.url)
-        address = f"{settings.engine_advertise_host}:{url.port}" if settings.engine_advertise_host else url.netloc
+        address = f"{settings.engine.advertise_host}:{url.port}" if settings.engine.advertise_host else url.netloc
         groups.append({"targets": [address], "labels": {"replica": replica.name,
                                                         "model": settings.served_model_name}})
     return groups

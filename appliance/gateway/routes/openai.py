@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from appliance.context import AppContext, Context
 from appliance.gateway.routing import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from appliance.http.auth import require_api_key
 from appliance.http.errors import APIError
+from appliance.http.guards import require_api_key
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=["openai"])
 
