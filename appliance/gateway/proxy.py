@@ -506,6 +506,7 @@ class Upstream:
         tail = b""
         stream_span = exchange.trace.child("gateway.stream")
         pending: _Pending | None = None  # a continuation placed, waiting for its first event
+        itl = self.metrics.itl.labels(exchange.route)  # looked up once, not per event
         try:
             while True:
                 upstream, replica = exchange.upstream, exchange.replica
@@ -515,10 +516,20 @@ class Upstream:
                 try:
                     async for chunk in upstream.content.iter_any():
                         self.admission.router.note_relayed(replica.name)
+                        # The whole events of one read go to the client together, one ASGI message and one write
+                        # instead of one per event: a loaded gateway reads several at a time, and a write per
+                        # event was much of the relay's cost, paid by every request's first token (issue 25).
+                        # A break mid-read still sends the client the events before it, first.
+                        batch: list[bytes] = []
+                        broke: migration.StreamBreak | None = None
                         for event in events.feed(chunk):
                             if USAGE in event and (final := final_usage(event)) is not None:
                                 exchange.reported(final["usage"])  # as the engine reported it, every leg
-                            out = ledger.accept(event)
+                            try:
+                                out = ledger.accept(event)
+                            except migration.StreamBreak as exc:
+                                broke = exc
+                                break
                             now = time.monotonic()
                             if leg_first is None:
                                 leg_first = now
@@ -530,16 +541,21 @@ class Upstream:
                             if first is None:
                                 first = now
                             elif last is not None:  # set together with first
-                                self.metrics.itl.labels(exchange.route).observe(now - last)
+                                itl.observe(now - last)
                             last = now
                             chunks += 1
                             self._charge_streamed(exchange, 1)
                             tail = (tail + out)[-2048:]  # whole events one by one: usage and [DONE] are two
                             if out := exchange.to_client(out):
-                                yield out
+                                batch.append(out)
                             if ledger.aborted:
                                 ledger.aborted = False
-                                raise migration.StreamBreak(migration.ENGINE_ERROR, "the engine aborted the request")
+                                broke = migration.StreamBreak(migration.ENGINE_ERROR, "the engine aborted the request")
+                                break
+                        if batch:
+                            yield batch[0] if len(batch) == 1 else b"".join(batch)
+                        if broke is not None:
+                            raise broke
                     if upstream in self._cut:
                         raise aiohttp.ClientConnectionError("cut by the gateway")
                     if not ledger.done:
@@ -800,12 +816,41 @@ class RelayedStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self._stream_until_disconnect(receive, send)
         finally:
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 self._on_unserved(self.exchange)  # a no-op when the relay settled and counted it
+
+    async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
+        """Starlette's ``StreamingResponse.__call__`` for uvicorn (ASGI spec < 2.4, whose ``send`` drops what a gone
+        client is sent without a word): stream, and stop as soon as the client disconnects, so that the relay
+        closes the upstream connection and the engine aborts the request. Starlette runs the two in an anyio task
+        group (a cancel scope, a second task, a task repr per cancel), which cost every stream more CPU than the
+        relay of its first token, on the path of every other request's first token too (issue 25). Here the
+        stream runs in this task and one plain watcher task cancels it when the client leaves."""
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        done = left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not done:
+                left = True
+                streaming.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not left or streaming.uncancel() > 0:  # not (only) the watcher's cancel: someone else's
+                raise
+        finally:
+            done = True
+            watcher.cancel()
 
 
 class ClientGone(Exception):
@@ -818,22 +863,32 @@ async def unless_client_leaves(work: Awaitable[T], receive: Receive) -> T:
     the request, and takes a queued request out of the queue, so work nobody will read is neither done nor
     dispatched. Once a stream starts, Starlette's response notices the disconnect instead.
 
-    The request body is already read, so the only ASGI message that can arrive now is the disconnect."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(receive())
+    The request body is already read, so the only ASGI message that can arrive now is the disconnect.
+
+    The work runs in the caller's task and the watcher cancels it: no task of its own for the work and no
+    ``asyncio.wait`` (a request's path to its first token is short; each task and wait on it costs the first token
+    of every request queued behind it on the event loop: issue 25)."""
+    task = asyncio.current_task()
+    assert task is not None
+    done = left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await receive()
+        if not done:  # the work is still running (it cannot have finished: it would have set done)
+            left = True
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled
-        task.cancel()
-        raise
+        return await work
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # only the watcher's cancel: the client left, the work is cancelled
+            raise ClientGone from None
+        raise  # this handler itself was cancelled
     finally:
-        if not watcher.done():
-            watcher.cancel()
-    if task.done():  # finished first, or at the same moment as the disconnect: the response handles the rest
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
+        done = True
+        watcher.cancel()
 
 
 def _usage(content: bytes) -> dict[str, Any] | None:

@@ -1,0 +1,420 @@
+"""Time to first token under many concurrent streams (issue 25): a fast stub engine answered direct, through the
+appliance's gateway, and through the peer router (vllm-router, when installed), in alternating rounds of one run.
+
+The stub is an OpenAI-compatible aiohttp server in its own process, shaped like vLLM: /v1/models, /health, a
+minimal /metrics page (the gateway's load poll reads it), and streamed /v1/completions and /v1/chat/completions
+with vLLM's chunks: ``--tokens`` tokens ``--itl-ms`` apart (the first after ``--prefill-ms``), token ids when asked
+(``return_token_ids``: the gateway asks, to be able to migrate a stream), a final usage chunk when
+``stream_options.include_usage`` (the gateway asks for tenant accounting), then ``data: [DONE]``. The load
+generator (in this process) keeps ``--concurrency`` streams open, each sending its next request as soon as its
+last one ended; TTFT is the time from sending a request to its first chunk with content.
+
+Prints per path: TTFT p50/p99, the p50 added against direct, events/s received by the clients, and the proxy's CPU
+per 1,000 events (psutil on the proxy's process; the Rust router's threads included), then the ratio of the
+gateway's added p50 to vllm-router's. Medians over the rounds. Numbers, never assertions.
+
+Pinning (os.sched_setaffinity): the proxies (gateway, vllm-router) on the first core, the stub engine and the load
+generator on the others (on a 2-core machine: they share the second), so a proxy's numbers are its own work and
+not CPU it loses to the engine or the clients; ``--no-pin`` leaves everything where the OS puts it.
+
+    .venv/bin/python bench/stream_overhead.py [--concurrency 64] [--requests 8] [--rounds 5] [--tokens 64]
+        [--itl-ms 2] [--prefill-ms 0] [--route completions|chat] [--vllm-router /tmp/vr-venv/bin/vllm-router]
+        [--compare-tree DIR]   # also the gateway of another source tree (a worktree of the commit before a change)
+
+The streams start together and, their requests being alike, stay roughly in step: 64 requests arrive at the proxy
+within a few milliseconds, so its per-request cost is multiplied by the queue it makes (the p50 waits behind about
+half of the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import psutil
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "demo"
+METRICS_PAGE = (
+    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{{engine="0",model_name="demo"}} {running}\n'
+    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    'vllm:num_requests_waiting{{engine="0",model_name="demo"}} 0.0\n'
+    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{{engine="0",model_name="demo"}} {kv}\n'
+    "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+    "# TYPE vllm:generation_tokens_total counter\n"
+    'vllm:generation_tokens_total{{engine="0",model_name="demo"}} {generated}\n'
+    'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="8192"}} 1.0\n'
+)
+
+
+# -- the stub engine (its own process: `stream_overhead.py --stub-port PORT`) --------------------------------------
+
+
+class StubEngine:
+    """vLLM's streaming shapes, as fast as the event loop allows: one write per event, like vLLM."""
+
+    def __init__(self, tokens: int, itl: float, prefill: float) -> None:
+        self.tokens, self.itl, self.prefill = tokens, itl, prefill
+        self.running = 0
+        self.generated = 0
+        self.ids = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", lambda _r: web.Response())
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        return app
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "created": 0, "owned_by": "vllm", "root": MODEL, "max_model_len": 4096}]})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        page = METRICS_PAGE.format(running=float(self.running), kv=min(1.0, self.running / 512),
+                                   generated=float(self.generated))
+        return web.Response(text=page, content_type="text/plain")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = request.path.endswith("/chat/completions")
+        tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.tokens)
+        self.ids += 1
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{self.ids:016x}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                "model": body.get("model") or MODEL}
+        prompt_ids = list(range(1, 17))
+        with_ids = bool(body.get("return_token_ids"))
+        if not body.get("stream"):
+            await asyncio.sleep(self.prefill + self.itl * tokens)
+            self.generated += tokens
+            text = "".join(f" w{i}" for i in range(tokens))
+            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                       "finish_reason": "length"} if chat else
+                                      {"index": 0, "text": text, "finish_reason": "length"})
+            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": [choice], "usage": usage(len(prompt_ids), tokens)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        response = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        self.running += 1
+        try:
+            await asyncio.sleep(self.prefill)
+            if chat:  # vLLM's first chat chunk: the role, no content
+                first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}]}
+                if with_ids:
+                    first["prompt_token_ids"] = prompt_ids
+                await response.write(event(first))
+            for i in range(tokens):
+                last = i == tokens - 1
+                choice = ({"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"})
+                choice.update(logprobs=None, finish_reason="length" if last else None)
+                if last or not chat:
+                    choice["stop_reason"] = None
+                if with_ids:
+                    if i == 0 and not chat:
+                        choice["prompt_token_ids"] = prompt_ids
+                    choice["token_ids"] = [100 + i]
+                await response.write(event({**head, "choices": [choice]}))
+                self.generated += 1
+                if self.itl and not last:
+                    await asyncio.sleep(self.itl)
+            if include_usage:
+                await response.write(event({**head, "choices": [], "usage": usage(len(prompt_ids), tokens)}))
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            self.running -= 1
+        return response
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def run_stub(port: int, tokens: int, itl: float, prefill: float) -> None:
+    _use_uvloop()
+    web.run_app(StubEngine(tokens, itl, prefill).app(), host="127.0.0.1", port=port, print=None,
+                access_log=None, backlog=1024)
+
+
+# -- the load generator ----------------------------------------------------------------------------------------
+
+
+def request_body(route: str, tokens: int, index: int) -> dict[str, Any]:
+    """A short prompt that differs per request (prefix routing has something to hash), streamed, usage asked for
+    (as OpenAI's clients commonly do)."""
+    text = f"request {index}: tell me about the number {index * 7919 % 10007} in a few words"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": tokens, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": 0}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def has_content(block: bytes) -> bool:
+    """Whether a block of SSE bytes holds an event with generated text (not chat's role-only first chunk)."""
+    for line in block.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            choices = json.loads(line[6:]).get("choices") or []
+        except ValueError:
+            continue
+        for choice in choices:
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                return True
+    return False
+
+
+async def one_round(url: str, args: argparse.Namespace, requests: int, offset: int) -> dict[str, Any]:
+    """``concurrency`` streams, each sending ``requests`` requests back to back."""
+    path = "/v1/chat/completions" if args.route == "chat" else "/v1/completions"
+    ttfts: list[float] = []
+    events = errors = 0
+
+    async def stream(session: aiohttp.ClientSession, worker: int) -> None:
+        nonlocal events, errors
+        for n in range(requests):
+            payload = json.dumps(request_body(args.route, args.tokens, offset + worker * requests + n)).encode()
+            started = time.perf_counter()
+            first = None
+            buffer = b""
+            try:
+                async with session.post(url + path, data=payload,
+                                        headers={"content-type": "application/json"}) as resp:
+                    if resp.status != 200:
+                        errors += 1
+                        await resp.read()
+                        continue
+                    async for chunk in resp.content.iter_any():
+                        if first is None:
+                            buffer += chunk
+                            cut = buffer.rfind(b"\n\n")
+                            if cut >= 0 and has_content(buffer[:cut]):
+                                first = time.perf_counter()
+                        events += chunk.count(b"data: ")
+            except aiohttp.ClientError:
+                errors += 1
+                continue
+            if first is None:
+                errors += 1
+            else:
+                ttfts.append(first - started)
+
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(stream(session, w) for w in range(args.concurrency)))
+        wall = time.perf_counter() - started
+    ttfts.sort()
+    return {"ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "events": events,
+            "events_s": events / wall, "errors": errors, "requests": len(ttfts)}
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+# -- processes -------------------------------------------------------------------------------------------------
+
+
+def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None,
+          cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a process, optionally pinned to ``cores`` (its threads and children inherit the pinning)."""
+    return subprocess.Popen(command, env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=cwd,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+
+
+def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(proxy cores, stub and load generator cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    return {cores[0]}, set(cores[1:])
+
+
+def cpu_seconds(proc: psutil.Process | None) -> float:
+    if proc is None:
+        return 0.0
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=8, help="requests per stream per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
+    parser.add_argument("--itl-ms", type=float, default=2.0, help="the stub's time between tokens")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="the stub's time to its first token")
+    parser.add_argument("--route", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--base-port", type=int, default=18400)
+    parser.add_argument("--vllm-router", default=shutil.which("vllm-router") or
+                        ("/tmp/vr-venv/bin/vllm-router" if Path("/tmp/vr-venv/bin/vllm-router").exists() else None))
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    parser.add_argument("--paths", default="direct,gateway,vllm-router", help="which paths to measure")
+    parser.add_argument("--compare-tree", metavar="DIR",
+                        help="also measure the gateway of another source tree (e.g. a `git worktree` of the "
+                             "commit before a change), as path gateway-other, in the same alternating rounds")
+    parser.add_argument("--stub-port", type=int, help=argparse.SUPPRESS)  # run as the stub engine
+    args = parser.parse_args()
+    if args.stub_port:
+        run_stub(args.stub_port, args.tokens, args.itl_ms / 1000, args.prefill_ms / 1000)
+        return
+
+    _use_uvloop()
+    wanted = args.paths.split(",")
+    proxy_cores, load_cores = split_cores(not args.no_pin)
+    logs = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    stub_port, gateway_port, router_port = args.base_port, args.base_port + 10, args.base_port + 20
+    paths = {"direct": f"http://127.0.0.1:{stub_port}"}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["stub"] = start([sys.executable, __file__, "--stub-port", str(stub_port), "--tokens", str(args.tokens),
+                               "--itl-ms", str(args.itl_ms), "--prefill-ms", str(args.prefill_ms)], {},
+                              logs / "stub.log", load_cores)
+        wait_ok(f"{paths['direct']}/health", procs["stub"])
+        gateways = {"gateway": ROOT} if "gateway" in wanted else {}
+        if args.compare_tree:
+            gateways["gateway-other"] = Path(args.compare_tree).resolve()
+        for index, (name, tree) in enumerate(gateways.items()):
+            port = gateway_port + index
+            env = {"APPLIANCE_ENGINE_URLS": paths["direct"], "APPLIANCE_PORT": str(port),
+                   "APPLIANCE_SERVED_MODEL_NAME": MODEL, "APPLIANCE_STATE_DIR": str(logs / f"state-{name}"),
+                   "APPLIANCE_LOG_LEVEL": "warning",
+                   # admission's per-replica limit defaults to engine.max_num_seqs: room for every stream, so the
+                   # gateway's own queue is not what is measured
+                   "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency),
+                   "APPLIANCE_ADMISSION__MAX_QUEUE": str(4 * args.concurrency)}
+            procs[name] = start([sys.executable, "-m", "appliance.cli", "serve"], env, logs / f"{name}.log",
+                                proxy_cores, cwd=tree)
+            paths[name] = f"http://127.0.0.1:{port}"
+        for name in gateways:
+            wait_ok(f"{paths[name]}/health/ready", procs[name])
+        if "vllm-router" in wanted and args.vllm_router:
+            procs["vllm-router"] = start([args.vllm_router, "--port", str(router_port), "--worker-urls",
+                                          paths["direct"], "--policy", "round_robin", "--log-level", "warning"], {},
+                                         logs / "router.log", proxy_cores)
+            paths["vllm-router"] = f"http://127.0.0.1:{router_port}"
+            wait_ok(f"{paths['vllm-router']}/v1/models", procs["vllm-router"], timeout=60)
+        if load_cores:
+            os.sched_setaffinity(0, load_cores)
+        proxies = {name: psutil.Process(procs[name].pid) for name in paths if name in procs}
+        for url in paths.values():  # warm up: connections, caches, the first requests' one-time work
+            asyncio.run(one_round(url, args, 2, 0))
+        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+        names = list(paths)
+        offset = 10**6
+        for round_index in range(args.rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in order:
+                before = cpu_seconds(proxies.get(name))
+                sample = asyncio.run(one_round(paths[name], args, args.requests, offset))
+                offset += args.concurrency * args.requests
+                sample["cpu_ms_per_k"] = (1000 * (cpu_seconds(proxies.get(name)) - before)
+                                          / max(1, sample["events"]) * 1000)
+                samples[name].append(sample)
+        pinned = (f"proxies on cores {sorted(proxy_cores)}, stub engine and load generator on {sorted(load_cores)}"
+                  if proxy_cores and load_cores else "not pinned")
+        print(f"{pinned}; logs in {logs}")
+        report(samples, args)
+        if "vllm-router" in wanted and "vllm-router" not in paths:
+            print("vllm-router: not found (--vllm-router PATH; `pip install vllm-router==0.1.17` in a venv)")
+    finally:
+        for proc in reversed(list(procs.values())):
+            stop(proc)
+
+
+def report(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    def med(name: str, key: str) -> float:
+        return statistics.median(s[key] for s in samples[name])
+
+    print(f"{args.route}, {args.concurrency} concurrent streams x {args.requests} requests x {args.rounds} "
+          f"alternating rounds; {args.tokens} tokens {args.itl_ms:g} ms apart, first after {args.prefill_ms:g} ms "
+          f"(medians over rounds)")
+    print(f"{'path':<12} {'TTFT p50 ms':>11} {'+p50 ms':>8} {'TTFT p99 ms':>11} {'+p99 ms':>8} {'events/s':>9} "
+          f"{'errors':>6} {'proxy CPU ms/1k events':>22}")
+    added: dict[str, float] = {}
+    for name in samples:
+        added[name] = 1000 * (med(name, "ttft_p50") - med("direct", "ttft_p50"))
+        cpu = f"{med(name, 'cpu_ms_per_k'):>22.2f}" if name != "direct" else f"{'-':>22}"
+        print(f"{name:<12} {1000 * med(name, 'ttft_p50'):>11.1f} {added[name]:>8.1f} "
+              f"{1000 * med(name, 'ttft_p99'):>11.1f} "
+              f"{1000 * (med(name, 'ttft_p99') - med('direct', 'ttft_p99')):>8.1f} {med(name, 'events_s'):>9.0f} "
+              f"{sum(s['errors'] for s in samples[name]):>6} {cpu}")
+    if "gateway" in added and "gateway-other" in added:
+        print(f"gateway added / gateway-other added (TTFT p50): {added['gateway']:.1f} / "
+              f"{added['gateway-other']:.1f} ms")
+    if "gateway" in added and "vllm-router" in added:
+        print(f"gateway added / vllm-router added (TTFT p50): {added['gateway']:.1f} / {added['vllm-router']:.1f} ms "
+              f"= {added['gateway'] / added['vllm-router'] if added['vllm-router'] else float('inf'):.2f}")
+    print("per round (TTFT p50 ms): " + "; ".join(
+        f"{name} " + " ".join(f"{1000 * s['ttft_p50']:.1f}" for s in samples[name]) for name in samples))
+
+
+if __name__ == "__main__":
+    main()
