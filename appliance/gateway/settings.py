@@ -212,7 +212,7 @@ class AdmissionSettings(BaseModel):
     queue_timeout_seconds: float = Field(
         10.0, gt=0, description="Longest a request waits in the gateway queue before a 429. The default favours "
         "answering late over refusing (batch clients, the CPU demo); for interactive traffic under a strict TTFT "
-        "SLO set it below slo_ttft_p95_seconds (a request that waited longer can no longer make it)."
+        "SLO set it below gateway.slo_ttft_p95_seconds (a request that waited longer can no longer make it)."
     )
     initial_limit: int | None = Field(
         None, ge=1, description="Starting concurrency limit per replica; default engine.max_num_seqs."
@@ -221,7 +221,7 @@ class AdmissionSettings(BaseModel):
     max_limit: int | None = Field(None, ge=1, description="The limit never exceeds this; default engine.max_num_seqs.")
     decrease_factor: float = Field(0.9, gt=0, lt=1, description="Multiplicative cut when TTFT misses the target.")
     target_ttft_fraction: float = Field(
-        0.8, gt=0, le=1, description="Per-request TTFT target as a fraction of slo_ttft_p95_seconds (headroom)."
+        0.8, gt=0, le=1, description="Per-request TTFT target as a fraction of gateway.slo_ttft_p95_seconds (headroom)."
     )
     slot_drift_seconds: float = Field(
         30.0, gt=0, description="How long the gateway may count more requests in flight at a replica than its "

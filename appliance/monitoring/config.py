@@ -211,8 +211,9 @@ def load_config(path: Path = CONFIG_PATH) -> MonitoringConfig:
 
 
 def ttft_slo_seconds(path: Path | None = None) -> float:
-    """slos.ttft.threshold_seconds: the TTFT SLO the alerts page on. The appliance's slo_ttft_p95_seconds (what
-    admission control aims at) takes its default from here, so the two cannot drift: one owner, read one way."""
+    """slos.ttft.threshold_seconds: the TTFT SLO the alerts page on. The appliance's gateway.slo_ttft_p95_seconds
+    (what admission control aims at) takes its default from here, so the two cannot drift: one owner, read one
+    way."""
     path = path or CONFIG_PATH
     try:
         version = path.stat().st_mtime_ns
