@@ -32,10 +32,11 @@ from appliance.loadtest.load import LoadSpec  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402
 
 
-def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None = None) -> subprocess.Popen:
-    """Start a process, optionally pinned to ``cores`` (children inherit the pinning)."""
+def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start a process, optionally pinned to ``cores`` (its threads and children inherit the pinning)."""
     return subprocess.Popen(command, env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True,
+                            start_new_session=True, cwd=cwd,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 
 
@@ -48,7 +49,7 @@ def split_cores() -> tuple[set[int], set[int]]:
     return {cores[-1]}, set(cores[:-1])
 
 
-def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 400) -> None:
+def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 400, interval: float = 1.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,17 +59,18 @@ def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 400) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(interval)
     raise TimeoutError(url)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 async def measure(url: str, prompts: SyntheticPrompts, args: argparse.Namespace) -> dict:

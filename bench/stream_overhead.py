@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import psutil
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
+
 MODEL = "demo"
 METRICS_PAGE = (
     "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -248,38 +250,6 @@ def pct(values: list[float], p: float) -> float:
 # -- processes -------------------------------------------------------------------------------------------------
 
 
-def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None,
-          cwd: Path = ROOT) -> subprocess.Popen:
-    """Start a process, optionally pinned to ``cores`` (its threads and children inherit the pinning)."""
-    return subprocess.Popen(command, env={**os.environ, **env}, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=cwd,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
-
-
-def wait_ok(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     """(proxy cores, stub and load generator cores)."""
     cores = sorted(os.sched_getaffinity(0))
@@ -337,12 +307,14 @@ def main() -> None:
         procs["stub"] = start([sys.executable, __file__, "--stub-port", str(stub_port), "--tokens", str(args.tokens),
                                "--itl-ms", str(args.itl_ms), "--prefill-ms", str(args.prefill_ms)], {},
                               logs / "stub.log", load_cores)
-        wait_ok(f"{paths['direct']}/health", procs["stub"])
+        wait_ok(f"{paths['direct']}/health", procs["stub"], timeout=120, interval=0.5)
         gateways = {"gateway": ROOT} if "gateway" in wanted else {}
         if args.compare_tree:
             gateways["gateway-other"] = Path(args.compare_tree).resolve()
         for index, (name, tree) in enumerate(gateways.items()):
             port = gateway_port + index
+            # the earlier top-level names (docs/configuration.md, "Earlier names"): a --compare-tree from before the
+            # gateway and engine sections reads them too
             env = {"APPLIANCE_ENGINE_URLS": paths["direct"], "APPLIANCE_PORT": str(port),
                    "APPLIANCE_SERVED_MODEL_NAME": MODEL, "APPLIANCE_STATE_DIR": str(logs / f"state-{name}"),
                    "APPLIANCE_LOG_LEVEL": "warning",
@@ -354,7 +326,7 @@ def main() -> None:
                                 proxy_cores, cwd=tree)
             paths[name] = f"http://127.0.0.1:{port}"
         for name in gateways:
-            wait_ok(f"{paths[name]}/health/ready", procs[name])
+            wait_ok(f"{paths[name]}/health/ready", procs[name], timeout=120, interval=0.5)
         if "vllm-router" in wanted and args.vllm_router:
             procs["vllm-router"] = start([args.vllm_router, "--port", str(router_port), "--worker-urls",
                                           paths["direct"], "--policy", "round_robin", "--log-level", "warning"], {},
@@ -386,7 +358,7 @@ def main() -> None:
             print("vllm-router: not found (--vllm-router PATH; `pip install vllm-router==0.1.17` in a venv)")
     finally:
         for proc in reversed(list(procs.values())):
-            stop(proc)
+            stop(proc, timeout=30)
 
 
 def report(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import NoDecode
 
 from appliance.model.shape import KvCacheDtype
+from appliance.setting_types import CommaList
 
 
 class EngineSettings(BaseModel):
@@ -100,7 +101,7 @@ class DiscoverySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine_urls: Annotated[list[str], NoDecode] = Field(
+    engine_urls: CommaList = Field(
         default_factory=list, description="Role all: route to these engines (comma-separated URLs) instead of "
         "starting any (the top-level engine_urls before this section, still accepted)."
     )
@@ -119,13 +120,6 @@ class DiscoverySettings(BaseModel):
     resolve_timeout_seconds: float = Field(
         2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
     )
-
-    @field_validator("engine_urls", mode="before")
-    @classmethod
-    def _split_urls(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [url.strip() for url in value.split(",") if url.strip()]
-        return value
 
     @field_validator("nameserver")
     @classmethod

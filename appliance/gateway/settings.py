@@ -12,6 +12,7 @@ from pydantic_settings import NoDecode
 
 from appliance.monitoring.config import ttft_slo_seconds
 from appliance.secret_files import SECRET_PAIRS, resolve_secrets
+from appliance.setting_types import CommaList, split_commas
 
 SECRET_FIELDS = tuple(name for pair in SECRET_PAIRS for name in (pair.value, pair.file))
 
@@ -25,7 +26,7 @@ class GatewaySettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="Gateway bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Gateway port.")
-    api_keys: Annotated[list[str], NoDecode] = Field(
+    api_keys: CommaList = Field(
         default_factory=list, description="Bearer keys accepted on /v1 (comma-separated in env); empty = open."
     )
     api_keys_file: Path | None = Field(
@@ -67,13 +68,6 @@ class GatewaySettings(BaseModel):
         1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
         "(a caller's sampled traceparent keeps its trace id but does not force recording)."
     )
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
-        return value
 
     @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")
     @classmethod
@@ -154,7 +148,7 @@ class RoutingScorerSettings(BaseModel):
     @field_validator("tie_breakers", mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
-        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        return split_commas(value)
 
     @model_validator(mode="after")
     def _usable(self) -> RoutingScorerSettings:

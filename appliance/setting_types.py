@@ -1,0 +1,20 @@
+"""Value types the settings sections share, so each is parsed one way wherever it appears."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+from pydantic_settings import NoDecode
+
+
+def split_commas(value: Any) -> Any:
+    """A comma-separated string (a list's form in the environment: ``APPLIANCE_GATEWAY__API_KEYS=k1,k2``) as its
+    stripped, non-empty items; anything else (a YAML list) as it is, for the field's own validation."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+# A list of strings given as a YAML list or, in the environment, comma-separated (NoDecode: not parsed as JSON).
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(split_commas)]
