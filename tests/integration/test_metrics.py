@@ -47,9 +47,15 @@ def test_signals_move_with_load(appliance):
         # The gauges are instants: the queue empties each time a batch of equal-length streams ends together
         # (a local run saw 0, 55, 6, 15 and 52 in successive scrapes), and one scrape can take 20 s under this
         # load. So sample until every signal has moved, at most `samples` times, rather than a fixed three.
+        slow = 0  # scrapes that timed out: under 80 streams on 2 cores the gateway's loop can be that busy
         for _ in range(samples := 15):
             time.sleep(3)  # collectors take rates over at least rate_min_window_seconds (5 s)
-            for name, value in scrape(appliance.url).items():
+            try:
+                page = scrape(appliance.url)
+            except httpx.TimeoutException:  # a CI run saw one take over 30 s; the next one is another sample
+                slow += 1
+                continue
+            for name, value in page.items():
                 peak[name] = max(peak.get(name, value), value)
             if all(moved(idle, peak).values()):
                 break
@@ -58,7 +64,7 @@ def test_signals_move_with_load(appliance):
         for worker in workers:
             worker.join(timeout=120)
 
-    assert all(moved(idle, peak).values()), f"after {samples} scrapes, not moved: " + ", ".join(
+    assert all(moved(idle, peak).values()), f"after {samples} scrapes ({slow} timed out), not moved: " + ", ".join(
         name for name, ok in moved(idle, peak).items() if not ok)
     assert peak.get("appliance_engine_memory_fragmentation_ratio") is not None  # the vLLM plugin's allocator stats
 

@@ -124,7 +124,10 @@ def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after
     os.kill(victim, signal.SIGKILL)
     selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-1", alertstate="firing"}'
     eventually(lambda: stack.query(selector), 60, "ApplianceReplicaNotReady firing in Prometheus")
-    eventually(lambda: _active_in_alertmanager(stack, "ApplianceReplicaNotReady", "replica-1"), 30,
+    # 90 s, not 30: Prometheus hands a firing alert to Alertmanager at its next evaluation and Alertmanager takes it
+    # at once, but on 2 cores busy with the engines' restart and the compose images building (scripts/test), two CI
+    # runs saw that hop take longer than 30 s. What is checked is that the alert arrives, not how fast.
+    eventually(lambda: _active_in_alertmanager(stack, "ApplianceReplicaNotReady", "replica-1"), 90,
                "ApplianceReplicaNotReady active in Alertmanager")
     appliance.wait_ready(timeout=300)
     eventually(lambda: not stack.query(selector), 30, "the alert resolved in Prometheus after the restart")
