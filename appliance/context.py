@@ -86,7 +86,7 @@ async def _app_context(request: Request) -> AppContext:
     """``app_context`` as the routes' dependency. A coroutine on purpose: FastAPI runs a plain function dependency
     in its thread pool, a thread hop per request that, with the event loop busy relaying streams, waited on the GIL
     and cost the first token more than anything else on the gateway's path (issue 25)."""
-    return context_of(request.app)
+    return app_context(request)
 
 
 Context = Annotated[AppContext, Depends(_app_context)]

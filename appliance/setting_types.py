@@ -16,5 +16,11 @@ def split_commas(value: Any) -> Any:
     return value
 
 
+def blank_is_unset(value: Any) -> Any:
+    """An empty or blank string means unset (None): compose passes an unset variable as "" (``APPLIANCE_MODEL=``,
+    ``APPLIANCE_ADMIN_TOKEN_FILE=``), which as a path would be the current folder."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
 # A list of strings given as a YAML list or, in the environment, comma-separated (NoDecode: not parsed as JSON).
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(split_commas)]

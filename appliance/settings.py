@@ -45,6 +45,7 @@ from appliance.model.shape import (
 )
 from appliance.monitoring.config import ttft_slo_seconds
 from appliance.monitoring.settings import MonitoringSettings
+from appliance.setting_types import blank_is_unset
 
 # Without a model, `appliance up` builds and serves the demo model (appliance.model.demo): these are its name and
 # context length (its max_position_embeddings).
@@ -185,10 +186,7 @@ class Settings(BaseSettings):
     @field_validator("model", mode="before")
     @classmethod
     def _empty_model_is_unset(cls, value: Any) -> Any:
-        """APPLIANCE_MODEL= (compose passes an unset variable as "") means no model, not the current folder."""
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
+        return blank_is_unset(value)
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,7 @@ from pydantic_settings import NoDecode
 
 from appliance.monitoring.config import ttft_slo_seconds
 from appliance.secret_files import SECRET_PAIRS, resolve_secrets
-from appliance.setting_types import CommaList, split_commas
+from appliance.setting_types import CommaList, blank_is_unset, split_commas
 
 SECRET_FIELDS = tuple(name for pair in SECRET_PAIRS for name in (pair.value, pair.file))
 
@@ -72,10 +72,7 @@ class GatewaySettings(BaseModel):
     @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")
     @classmethod
     def _empty_file_is_unset(cls, value: Any) -> Any:
-        """APPLIANCE_ADMIN_TOKEN_FILE= (compose passes an unset variable as "") means no file, not the folder "."."""
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
+        return blank_is_unset(value)
 
     @model_validator(mode="after")
     def _secrets_from_files(self) -> GatewaySettings:

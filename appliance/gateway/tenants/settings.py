@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.secret_files import read_keys_file
+from appliance.setting_types import blank_is_unset
 
 DEFAULT_TENANT = "default"  # the flat api_keys' tenant, and everyone's while the API is open (no keys at all)
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"  # a Prometheus label value an SRE can type; bounded length
@@ -48,7 +49,7 @@ class TenantSettings(BaseModel):
     @field_validator("api_keys_file", mode="before")
     @classmethod
     def _empty_file_is_unset(cls, value: Any) -> Any:
-        return None if isinstance(value, str) and not value.strip() else value
+        return blank_is_unset(value)
 
     @model_validator(mode="after")
     def _keys(self) -> TenantSettings:
