@@ -89,9 +89,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def in_flight(app: FastAPI) -> int:
-    """Requests the drain waits for: at the replicas, and queued in the gateway (they are owed an answer too)."""
+    """Requests the drain waits for: every request the gateway has forwarded and not answered in full. That is
+    more than the slots the router counts plus the queue: a stream whose replica broke holds no slot while its
+    continuation waits for another replica, and its client is owed the rest. The slots and the queue still count
+    on their own, should a slot be held outside a forwarded request."""
     gateway = context_of(app).gateway
-    return gateway.router.in_flight() + gateway.admission.queue_length
+    return max(gateway.upstream.open_requests(), gateway.router.in_flight() + gateway.admission.queue_length)
 
 
 def node_pending(app: FastAPI) -> int:

@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -108,7 +109,7 @@ def upstream_failure(exc: BaseException) -> APIError:
     return APIError(502, f"upstream failed: {type(exc).__name__}", code="upstream_error")
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request, compared and hashed by identity (Upstream.open_requests)
 class Exchange:
     """One client request on its way through the gateway."""
 
@@ -192,6 +193,10 @@ class Upstream:
                                                      sock_read=idle_timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
         self._streams: set[aiohttp.ClientResponse] = set()  # streams being relayed
+        # Every request forwarded and not yet answered in full: queued, at a replica, or between two replicas (a
+        # continuation or a retry waiting for one, which holds no slot and is in no queue). Weak, with the same
+        # backstop as a lease: a stream response dropped unserved is forgotten when it is collected.
+        self._open: weakref.WeakSet[Exchange] = weakref.WeakSet()
         self._cut: set[aiohttp.ClientResponse] = set()  # ...that the gateway cut on purpose (shutdown)
 
     async def open(self) -> None:
@@ -205,6 +210,11 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def open_requests(self) -> int:
+        """Requests forwarded whose answer has not ended: what a drain waits for. Unlike the router's slots, it
+        counts a stream whose continuation waits for a replica."""
+        return len(self._open)
 
     async def cut_streams(self, grace_seconds: float = 2.0) -> int:
         """End every stream still being relayed with an error event saying the gateway is shutting down (the
@@ -226,6 +236,7 @@ class Upstream:
                             trace=RequestTrace(self.tracer, route, request.headers, recording=self.tracing),
                             request=request, routing=None if prompt is None else RoutingRequest(prompt),
                             tenant=getattr(request.state, "tenant", DEFAULT_TENANT))
+        self._open.add(exchange)
         self._ask_for_usage(exchange)
         self._plan_migration(exchange)
         try:
@@ -248,6 +259,7 @@ class Upstream:
         finally:
             if not exchange.handed_off:  # whatever happened, nothing outlives the request unowned
                 exchange.settle(Outcome.ABORTED)
+                self._open.discard(exchange)
 
     def _check_quota(self, exchange: Exchange, prompt: str | None) -> None:
         """The tenant's quotas, before the request queues: a 429 with Retry-After when spent; else one request
@@ -388,18 +400,20 @@ class Upstream:
         if exchange.stream and upstream.status == 200:
             relay = self._relay_migrating if exchange.ledger is not None else self._relay
             return RelayedStream(
-                relay(exchange, span), exchange, on_unserved=self._unserved,
+                relay(exchange, span), exchange, on_served=self._served,
                 status_code=200,
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers={"x-appliance-replica": replica.name},
             )
         return await self._read_whole(exchange, span)
 
-    def _unserved(self, exchange: Exchange) -> None:
-        """A stream response that ended before its relay could settle (never iterated: the client left between
-        the upstream's headers and the first byte)."""
+    def _served(self, exchange: Exchange) -> None:
+        """A stream response is over, however it ended. Most often its relay settled and counted it already; if
+        it was never iterated (the client left between the upstream's headers and the first byte), that is done
+        here."""
         exchange.settle(Outcome.ABORTED)
         self._finish(exchange, 499)
+        self._open.discard(exchange)
 
     async def _read_whole(self, exchange: Exchange, span: trace.Span) -> Response:
         upstream, replica = exchange.upstream, exchange.replica
@@ -809,10 +823,10 @@ class RelayedStream(StreamingResponse):
     (closed here, so its own cleanup runs now, not whenever the garbage collector gets to it) is settled here."""
 
     def __init__(self, content: AsyncIterator[bytes], exchange: Exchange, *,
-                 on_unserved: Callable[[Exchange], None], **kwargs: Any) -> None:
+                 on_served: Callable[[Exchange], None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.exchange = exchange
-        self._on_unserved = on_unserved
+        self._on_served = on_served
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -821,7 +835,7 @@ class RelayedStream(StreamingResponse):
             try:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
-                self._on_unserved(self.exchange)  # a no-op when the relay settled and counted it
+                self._on_served(self.exchange)  # settles and counts it, unless the relay did
 
     async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
         """Starlette's ``StreamingResponse.__call__`` for uvicorn (ASGI spec < 2.4, whose ``send`` drops what a gone

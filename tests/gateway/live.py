@@ -1,8 +1,10 @@
 """The gateway app served by a real uvicorn in a thread, for tests that need a real client connection: one that
-hangs up mid-request (TestClient cannot: its transport never disconnects)."""
+hangs up mid-request (TestClient cannot: its transport never disconnects). ``DrainWatch`` wraps the app to check,
+while a storm runs, that a drain would wait for every stream the gateway has open."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -12,9 +14,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from appliance.serve import in_flight
+
 
 class LiveGateway:
-    def __init__(self, app: FastAPI, server: Callable[[uvicorn.Config], uvicorn.Server] = uvicorn.Server,
+    def __init__(self, app: Any, server: Callable[[uvicorn.Config], uvicorn.Server] = uvicorn.Server,
                  **config: Any) -> None:
         self.app = app
         self._server = server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning",
@@ -59,3 +63,52 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+class DrainWatch:
+    """The app, wrapped to count the event streams it has open (from their 200 to their last byte, or to the end of
+    the ASGI call when the client left) and to check, on the event loop at every message sent and every 2 ms while
+    one is open, that the drain would wait for at least that many requests."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self.open = 0
+        self.checks = 0
+        self.violations: list[str] = []
+        self._sampler: asyncio.Task | None = None
+
+    def check(self, where: str) -> None:
+        self.checks += 1
+        owed = in_flight(self.app)
+        if owed < self.open:
+            self.violations.append(f"{where}: the drain would wait for {owed} request(s), {self.open} stream(s) open")
+
+    async def _sample(self) -> None:
+        while self.open:
+            self.check("sampled")
+            await asyncio.sleep(0.002)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        streaming = False
+
+        async def counted_send(message) -> None:
+            nonlocal streaming
+            if message["type"] == "http.response.start":
+                streaming = message["status"] == 200 and any(
+                    k == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"])
+                self.open += streaming
+                if streaming and (self._sampler is None or self._sampler.done()):
+                    self._sampler = asyncio.get_running_loop().create_task(self._sample())
+            elif message["type"] == "http.response.body" and not message.get("more_body") and streaming:
+                streaming = False
+                self.open -= 1
+            self.check(message["type"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            if streaming:  # the client left: the call ended without a last message
+                self.open -= 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway import migration
+from appliance.serve import in_flight
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.live import LiveGateway, wait_until
@@ -243,6 +246,26 @@ def test_a_continuation_waits_for_a_replica_rather_than_fail_at_once(engines, fa
         assert_whole(gw.stream("completions", body_for("completions", 10)), "completions", 10)
         assert gw.migrations("connection", "continued") == 1
     assert [len(e.received) for e in engines] == [1, 1]
+
+
+def test_a_continuation_waiting_for_a_replica_is_still_owed_to_the_drain(engines, failures):
+    """Between the broken replica's slot and the next one, a continuation holds no slot and is in no queue, yet
+    its client's stream is open: a SIGTERM then must not count 0 requests in flight and stop the gateway under it
+    (the drain counts what ``appliance.serve.in_flight`` says)."""
+    failures.append(Failure(after=4))
+    with Gateway(engines, routing={"eject_base_seconds": 1.5}) as gw:
+        context_of(gw.app).gateway.router.eject("replica-1", "a TTFT outlier")
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(gw.stream, "completions", body_for("completions", 10))
+            assert wait_until(lambda: engines[0].received, timeout=10)
+            samples = []
+            while not engines[1].received and not streamed.done():  # the stream is open, its continuation waits
+                samples.append(in_flight(gw.app))
+                time.sleep(0.01)
+            assert_whole(streamed.result(), "completions", 10)
+        assert gw.migrations("connection", "continued") == 1
+        assert len(samples) > 10 and min(samples) == 1, samples
+        assert wait_until(lambda: in_flight(gw.app) == 0)
 
 
 def test_a_continuation_whose_connection_fails_before_the_engine_is_tried_again(engines, failures):

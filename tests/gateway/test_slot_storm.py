@@ -9,6 +9,7 @@ of clients that each leave at a drawn moment (right after sending, while queued,
 stream, or not at all), all against a real uvicorn so that clients really disconnect. The invariant is checked
 after every case: nothing in flight, nothing queued, no lease held, and none of it returned by the garbage
 collector's backstop (the lease structure must release every slot on its own), and a new request is answered.
+While each case runs, a drain would wait for every stream the gateway has open (``DrainWatch``).
 
 The stub engine is fine here: what is verified is the gateway's own bookkeeping. The same storm runs against a
 real vLLM engine in tests/integration/test_disconnect.py.
@@ -31,7 +32,7 @@ from appliance.context import context_of
 from appliance.gateway.core import Gateway
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
-from tests.gateway.live import LiveGateway, wait_until
+from tests.gateway.live import DrainWatch, LiveGateway, wait_until
 from tests.gateway.stub import StubUpstream
 
 CASES = 120
@@ -42,12 +43,14 @@ ACTIONS = ("leave_at_once", "leave_soon", "leave_at_headers", "leave_mid_stream"
 @dataclass
 class Storm:
     live: LiveGateway
+    app: object
+    watch: DrainWatch
     stubs: list[StubUpstream]
     fleet: list[FakeReplica]
 
     @property
     def gateway(self) -> Gateway:
-        return context_of(self.live.app).gateway
+        return context_of(self.app).gateway
 
     def slots_back(self) -> bool:
         admission = self.gateway.admission
@@ -69,8 +72,9 @@ def storm():
                                    "queue_timeout_seconds": 5},
                         routing={"metrics_poll_seconds": 0.2})
     app = create_app(settings, replicas=lambda: fleet, registry=CollectorRegistry())
-    with LiveGateway(app) as live:
-        yield Storm(live, stubs, fleet)
+    watch = DrainWatch(app)
+    with LiveGateway(watch) as live:
+        yield Storm(live, app, watch, stubs, fleet)
     for stub in stubs:
         stub.stop()
 
@@ -155,8 +159,9 @@ def test_generated_storms_of_leaving_clients_give_every_slot_back(storm: Storm) 
         assert wait_until(storm.slots_back, timeout=20), f"case {case} ({drawn}): {storm.describe()}"
         assert not storm.gateway.admission.ledger.reclaimed, f"case {case}: a lease needed the GC backstop"
         assert not storm.gateway.admission.audit.orphans_returned, f"case {case}: the audit returned orphans"
+        assert not storm.watch.violations, f"case {case} ({drawn}): {storm.watch.violations[:5]}"
         assert answered(storm) == 200
-    print(f"{CASES} storm cases in {time.monotonic() - started:.1f}s")
+    print(f"{CASES} storm cases in {time.monotonic() - started:.1f}s, {storm.watch.checks} drain checks")
 
 
 def test_a_burst_of_streams_dropped_at_once_gives_every_slot_back(storm: Storm) -> None:
