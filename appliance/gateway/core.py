@@ -76,7 +76,6 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     quotas = Quotas(tenants.tenants())
     accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=quotas.ratios)
     accounting.configure(tenant.name for tenant in tenants.tenants())
-    registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()]))
     tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.gateway.request_timeout_seconds,
@@ -84,6 +83,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                         tracing=_records_traces(settings.gateway, span_exporter), accounting=accounting, quotas=quotas,
                         migration_limit=settings.routing.migration_limit,
                         max_model_len=settings.engine.max_model_len)
+    registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
+                                     upstream.open_requests))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas)

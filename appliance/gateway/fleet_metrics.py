@@ -21,9 +21,11 @@ class FleetCollector(Collector):
     """Replica and admission state, read from the live objects at scrape time."""
 
     def __init__(self, router: Router, admission: Admission,
-                 tenant_names: Callable[[], Iterable[str]] = lambda: ()) -> None:
+                 tenant_names: Callable[[], Iterable[str]] = lambda: (),
+                 open_requests: Callable[[], int] = lambda: 0) -> None:
         self._router = router
         self._admission = admission
+        self._open_requests = open_requests  # the proxy's count of requests it owes an answer
         self._tenant_names = tenant_names  # the configured tenants, read at each scrape (a reload changes them)
 
     def collect(self) -> Iterable[Metric]:
@@ -56,6 +58,10 @@ class FleetCollector(Collector):
                                 value=self._router.in_flight())
         yield GaugeMetricFamily("appliance_queue_length", "Requests waiting in the gateway's admission queue.",
                                 value=self._admission.queue_length)
+        yield GaugeMetricFamily("appliance_open_requests",
+                                "Requests forwarded and not yet answered in full: queued, at a replica, or between "
+                                "replicas (a stream's continuation waiting for one). What a SIGTERM's drain waits for.",
+                                value=self._open_requests())
         yield from self._slot_audit(replicas)
         rejected = CounterMetricFamily("appliance_admission_rejections",
                                        "Requests answered 429 by admission control, by reason.", labels=["reason"])

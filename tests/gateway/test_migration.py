@@ -258,13 +258,15 @@ def test_a_continuation_waiting_for_a_replica_is_still_owed_to_the_drain(engines
         with ThreadPoolExecutor(1) as pool:
             streamed = pool.submit(gw.stream, "completions", body_for("completions", 10))
             assert wait_until(lambda: engines[0].received, timeout=10)
-            samples = []
+            samples, gauge = [], []
             while not engines[1].received and not streamed.done():  # the stream is open, its continuation waits
                 samples.append(in_flight(gw.app))
+                gauge.append(gw.registry.get_sample_value("appliance_open_requests"))
                 time.sleep(0.01)
             assert_whole(streamed.result(), "completions", 10)
         assert gw.migrations("connection", "continued") == 1
         assert len(samples) > 10 and min(samples) == 1, samples
+        assert min(gauge) == 1, gauge  # the SRE's view of the same count
         assert wait_until(lambda: in_flight(gw.app) == 0)
 
 
