@@ -68,8 +68,8 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         context_of(self._app).live.draining = True
-        log.info("signal %s: draining %d in-flight request(s) (up to %.0fs); not ready, new requests get 503", sig,
-                 self._pending(self._app), self._drain_timeout)
+        log.info("signal %s: draining %d request(s) (%s; up to %.0fs); not ready, new requests get 503", sig,
+                 self._pending(self._app), in_flight_parts(self._app), self._drain_timeout)
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
@@ -95,6 +95,13 @@ def in_flight(app: FastAPI) -> int:
     on their own, should a slot be held outside a forwarded request."""
     gateway = context_of(app).gateway
     return max(gateway.upstream.open_requests(), gateway.router.in_flight() + gateway.admission.queue_length)
+
+
+def in_flight_parts(app: FastAPI) -> str:
+    """What the count is made of, for the drain's log line: a difference between the parts is worth seeing."""
+    gateway = context_of(app).gateway
+    return (f"{gateway.upstream.open_requests()} open: {gateway.router.in_flight()} at replicas, "
+            f"{gateway.admission.queue_length} queued")
 
 
 def node_pending(app: FastAPI) -> int:
