@@ -58,6 +58,7 @@ POLICIES = {  # name -> the gateway's environment for it
     "prefix": {},
     "prefix_unbounded": {"APPLIANCE_ROUTING__SCORERS__PREFIX__BALANCE_WINDOW": "0"},  # without the balance bound
     "round_robin": {"APPLIANCE_ROUTING__SCORERS__POLICY": "round_robin"},
+    "prefix_no_room": {"APPLIANCE_ROUTING__SCORERS__WEIGHTS__CACHE_ROOM": "0"},  # without the cache-room scorer
 }
 CHURN_ROUNDS = 5  # 2 warm, 1 while engine 1 restarts, 2 after it is back
 _WORD_TEXT = (

@@ -81,7 +81,7 @@ class GatewaySettings(BaseModel):
             setattr(self, name, value)
         return self
 
-ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix"]
+ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix", "cache_room"]
 
 
 class ScorerWeights(BaseModel):
@@ -93,6 +93,11 @@ class ScorerWeights(BaseModel):
     kv_cache: float = Field(0.0, ge=0, description="Engine KV-cache usage (vllm:kv_cache_usage_perc), if fresh.")
     queue: float = Field(0.0, ge=0, description="Engine queue (vllm:num_requests_waiting), if fresh.")
     prefix: float = Field(1.0, ge=0, description="Share of the prompt's prefix recently sent to the replica.")
+    cache_room: float = Field(
+        2.0, ge=0, description="For a prompt every replica holds equally much of (a new conversation): the free "
+        "share of each replica's modelled prefix cache, so it starts where it evicts nothing (a restarted replica) "
+        "rather than pushing out conversations that will come back. Needs the prefix scorer."
+    )
 
 
 class PrefixScorerSettings(BaseModel):
@@ -106,7 +111,7 @@ class PrefixScorerSettings(BaseModel):
         "are evicted beyond it."
     )
     load_factor: float = Field(
-        1.25, ge=1.0, description="Bounded load: affinity yields when the replica would hold more than this "
+        2.0, ge=1.0, description="Bounded load: affinity yields when the replica would hold more than this "
         "multiple of the mean in-flight requests (rounded up)."
     )
     chars_per_token: float = Field(
@@ -151,7 +156,8 @@ class RoutingScorerSettings(BaseModel):
     def _usable(self) -> RoutingScorerSettings:
         if len(set(self.tie_breakers)) != len(self.tie_breakers):
             raise ValueError("tie_breakers lists a scorer twice")
-        if self.policy == "weighted" and not any(self.weights.model_dump().values()):
+        deciding = self.weights.model_dump(exclude={"cache_room"})  # it reads the prefix scorer's index
+        if self.policy == "weighted" and not any(deciding.values()):
             raise ValueError("every scorer weight is 0: give at least one a positive weight")
         return self
 

@@ -62,7 +62,8 @@ def test_default_weights_choose_as_the_old_fixed_policy_when_prompts_share_nothi
 
 
 def test_affinity_beats_a_small_load_difference_and_yields_beyond_the_bound():
-    router, (r0, r1), _ = fleet(scorers={"prefix": {"balance_window": 0}})  # the in-flight bound alone
+    # the in-flight bound alone, at a factor where two requests in flight are enough to show it (default 2.0)
+    router, (r0, r1), _ = fleet(scorers={"prefix": {"balance_window": 0, "load_factor": 1.25}})
     first = conversation(1, turns=2)
     assert router.try_acquire(request=first) is r0
     assert first.decision.decided_by == "index"
@@ -75,6 +76,30 @@ def test_affinity_beats_a_small_load_difference_and_yields_beyond_the_bound():
     again = conversation(1, turns=4)
     assert router.try_acquire(request=again) is r1
     assert again.decision.decided_by == "outstanding"
+
+
+@pytest.mark.parametrize("cache_room", [2.0, 0.0])
+def test_a_new_conversation_starts_on_the_replica_whose_cache_has_room(cache_room):
+    """After a restart: replica-0's cache is full of conversations still to come back, replica-1's is empty and
+    busier by one request. A conversation neither holds goes to replica-1, where it evicts nothing (with the
+    cache-room scorer off, load alone sends it to replica-0, evicting one); a conversation replica-0 holds stays
+    there."""
+    router, (r0, r1), clock = fleet(scorers={"prefix": {"block_chars": 16, "chars_per_token": 4, "balance_window": 0},
+                                             "weights": {"cache_room": cache_room}})
+    for replica in (r0, r1):
+        router.update_load(replica.name, EngineLoad(kv_capacity_tokens=400, read_at=clock.now))  # 100 blocks
+    for number in range(5):
+        home = conversation(number, turns=1)
+        assert router.try_acquire(request=home, exclude={"replica-1"}) is r0
+        router.release(r0, Outcome.SUCCESS)
+    assert router.policy.prefix.index.held("replica-0") == 100  # full
+    router.outstanding["replica-1"] = 1
+    new = conversation(9, turns=1)
+    chosen = router.try_acquire(request=new)
+    assert (chosen, new.decision.decided_by) == ((r1, "cache_room") if cache_room else (r0, "outstanding"))
+    router.release(chosen, Outcome.SUCCESS)
+    back = conversation(3, turns=2)
+    assert router.try_acquire(request=back) is r0 and back.decision.decided_by == "prefix"
 
 
 def test_the_balance_bound_leaves_out_a_replica_over_its_share_of_recent_decisions():

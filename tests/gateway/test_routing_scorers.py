@@ -4,7 +4,13 @@ from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
 from appliance.gateway.router import Router
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.routing.scorers import KvCacheScorer, OutstandingScorer, PrefixScorer, QueueScorer
+from appliance.gateway.routing.scorers import (
+    CacheRoomScorer,
+    KvCacheScorer,
+    OutstandingScorer,
+    PrefixScorer,
+    QueueScorer,
+)
 from appliance.gateway.settings import PrefixScorerSettings, RoutingSettings
 from tests.doubles import FakeReplica
 
@@ -136,3 +142,24 @@ def test_prefix_capacity_is_read_again_after_a_restart():
     assert scorer.index.capacity_of("replica-0") is None  # the new engine may be sized differently
     router.update_load("replica-0", EngineLoad(kv_capacity_tokens=80, read_at=clock.now))
     assert scorer.index.capacity_of("replica-0") == 20
+
+
+def test_cache_room_rates_free_cache_for_a_prompt_every_replica_holds_equally_much_of():
+    """A new conversation starts where it evicts nothing; a conversation one replica holds is affinity's to place;
+    a replica whose cache size is unknown is neutral."""
+    router, replicas, clock = fleet(n=3, scorers={"prefix": {"block_chars": 16, "chars_per_token": 4}})
+    prefix = router.policy.prefix
+    room = CacheRoomScorer(prefix)
+    router.update_load("replica-0", EngineLoad(kv_capacity_tokens=40, read_at=clock.now))  # 10 blocks
+    router.update_load("replica-1", EngineLoad(kv_capacity_tokens=40, read_at=clock.now))
+    prefix.chosen(replicas[0], prompt(1, turns=4))  # 28 blocks: replica-0's 10 are full
+    prefix.chosen(replicas[1], RoutingRequest("x" * 16 * 4))  # replica-1 holds 4 of 10
+    new = prompt(2, turns=2)
+    assert room.scores(replicas, router, new) == [0.0, 0.6, None]
+    assert room.scores(replicas, router, prompt(1, turns=2)) == [None, None, None]  # replica-0 holds its head
+    assert room.scores(replicas, router, RoutingRequest("short")) == [None, None, None]  # shorter than a block
+    assert room.scores(replicas, router, None) == [None, None, None]
+    shared = "S" * 16 * 2  # a system prompt every replica holds: what follows is new everywhere
+    for replica in replicas:
+        prefix.chosen(replica, RoutingRequest(shared))
+    assert room.scores(replicas, router, RoutingRequest(shared + "a new user's question " * 3))[1] < 0.6

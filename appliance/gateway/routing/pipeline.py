@@ -22,13 +22,14 @@ from typing import Protocol
 from appliance.engine.contract import Replica
 from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.request import Decision, RoutingRequest
-from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorer
+from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorers
 from appliance.gateway.routing.view import RoutingView
 from appliance.gateway.settings import RoutingScorerSettings
 
 # Every value the "decided_by" metric label can take: bounded by construction.
-DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "tie_kv_cache", "tie_queue", "tie_outstanding",
-            "tie_prefix", "index", "single", "round_robin", "balance", "tie_balance")
+DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "cache_room", "tie_kv_cache", "tie_queue",
+            "tie_outstanding", "tie_prefix", "tie_cache_room", "index", "single", "round_robin", "balance",
+            "tie_balance")
 _TOTAL_DIGITS = 9  # totals equal to this many decimals are ties (float sums of the same scores)
 
 
@@ -132,7 +133,7 @@ def _neutral(scores: list[Score]) -> list[float]:
 def build_policy(settings: RoutingScorerSettings) -> Policy:
     if settings.policy == "round_robin":
         return RoundRobinPolicy()
-    scorers = {name: build_scorer(name, settings.prefix) for name in type(settings.weights).model_fields}
+    scorers = build_scorers(settings.prefix)
     weights = settings.weights.model_dump()
     return WeightedPolicy([(scorers[name], weights[name]) for name in scorers],
                           [scorers[name] for name in settings.tie_breakers],

@@ -9,7 +9,7 @@ prompt's prefix was recently sent to each replica, within a bounded load.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica, ReplicaState
@@ -162,9 +162,38 @@ class PrefixScorer:
             self.index.record(replica.name, request.hashes(self.block_chars))
 
 
-def build_scorer(name: str, prefix: PrefixScorerSettings) -> Scorer:
-    if name == "prefix":
-        return PrefixScorer(prefix)
-    stateless: dict[str, Callable[[], Scorer]] = {
-        "outstanding": OutstandingScorer, "kv_cache": KvCacheScorer, "queue": QueueScorer}
-    return stateless[name]()
+class CacheRoomScorer(_Stateless):
+    """Where a new conversation should start: for a prompt every candidate holds equally much of (nothing, or
+    the same shared system prompt), the free share of each replica's modelled prefix cache, 1 - held / capacity;
+    for a prompt one replica holds more of (affinity decides), and where the capacity is unknown, no opinion
+    (neutral).
+
+    Placing such a prompt on a full replica evicts its least recently used conversation, which will come back and
+    miss. A replica that just restarted has an empty cache: new conversations belong there, and the conversations
+    the other replica kept stay where they hit. Measured on 2 real engines (bench/prefix_routing.py, issue 25): in
+    the round after a replica rejoined, the load scorer had sent the unmatched prompts to both replicas alike, and
+    each one sent to the full replica evicted one that was still to come."""
+
+    name = "cache_room"
+
+    def __init__(self, prefix: PrefixScorer) -> None:
+        self._prefix = prefix
+
+    def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
+               ) -> list[Score]:
+        index = self._prefix.index
+        hashes = request.hashes(self._prefix.block_chars) if request is not None and request.prompt else []
+        if not hashes or len({index.matched_blocks(r.name, hashes) for r in candidates}) > 1:
+            return [None] * len(candidates)
+        out: list[Score] = []
+        for replica in candidates:
+            capacity = index.capacity_of(replica.name)
+            out.append(None if not capacity else max(0.0, 1.0 - index.held(replica.name) / capacity))
+        return out
+
+
+def build_scorers(prefix: PrefixScorerSettings) -> dict[str, Scorer]:
+    """One of each scorer; the cache-room scorer reads the prefix scorer's index."""
+    affinity = PrefixScorer(prefix)
+    return {"outstanding": OutstandingScorer(), "kv_cache": KvCacheScorer(), "queue": QueueScorer(),
+            "prefix": affinity, "cache_room": CacheRoomScorer(affinity)}

@@ -41,8 +41,9 @@ def routing_panels(gw: str, engine: str) -> list[dict[str, Any]]:
                    target(rate("appliance_routing_decisions_total", gw, by="decided_by"), "{{decided_by}}"),
                    unit="ops", stack=True,
                    description="Routing decisions per second by what separated the chosen replica from the "
-                               "runner-up: a scorer (outstanding, kv_cache, queue, prefix), a tie-breaker (tie_*), "
-                               "nothing (index), a single candidate (single), or round_robin."),
+                               "runner-up: a scorer (outstanding, kv_cache, queue, prefix, cache_room), a "
+                               "tie-breaker (tie_*), the balance bound (balance, tie_balance), nothing (index), a "
+                               "single candidate (single), or round_robin."),
         timeseries(22, "Prefix match vs prefix cache hit",
                    target(f"histogram_quantile(0.5, sum by (le) (rate({match}_bucket{{{gw}}}[{RATE}])))",
                           "router prefix match p50"),
