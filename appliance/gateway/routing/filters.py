@@ -52,11 +52,11 @@ class BalanceBound:
     Why a window of decisions and not the in-flight bound alone: in-flight counts bound only what runs at once,
     and at low concurrency (mean in flight ~1) ceil(load_factor x mean) (1.25 then) lets one replica take nearly
     everything, which is how prefix affinity kept 159 of 200 requests on the replica that was up first (issue 25).
-    Counting decisions
-    holds at any concurrency and any request rate (consistent hashing with bounded loads, Mirrokni et al., with
-    the load measured over a recent window). The window restarts whenever the set of routable replicas changes:
-    counts from before describe a fleet that no longer exists, and a replica that (re)joins then gets its share
-    from its first request on, instead of only after the window has forgotten the time it was away.
+    Counting decisions holds at any concurrency and any request rate (consistent hashing with bounded loads,
+    Mirrokni et al., with the load measured over a recent window). The window restarts whenever the set of
+    routable replicas changes: counts from before describe a fleet that no longer exists, and a replica that
+    (re)joins then gets its share from its first request on, instead of only after the window has forgotten the
+    time it was away.
     """
 
     def __init__(self, window: int, factor: float) -> None:
