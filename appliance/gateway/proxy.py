@@ -70,6 +70,10 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 RETRYABLE_STATUS = frozenset({502, 503})
 UPSTREAM_KEEPALIVE_SECONDS = 4.0
 CONTINUATION_RETRY_SECONDS = 0.1  # how often a continuation that found no replica looks again
+# What a stream still open at the drain timeout ends with, instead of a silent cut when the server stops.
+SHUTDOWN_EVENT = ("data: " + json.dumps(error_body(
+    503, "the gateway is shutting down; the stream was cut at the drain timeout", code="shutting_down")) + "\n\n"
+).encode()
 T = TypeVar("T")
 
 
@@ -198,6 +202,8 @@ class Upstream:
         # backstop as a lease: a stream response dropped unserved is forgotten when it is collected.
         self._open: weakref.WeakSet[Exchange] = weakref.WeakSet()
         self._cut: set[aiohttp.ClientResponse] = set()  # ...that the gateway cut on purpose (shutdown)
+        self._waiting: set[Exchange] = set()  # requests between two replicas, waiting for the next one
+        self._shutting_down = False  # set by cut_streams: what waits for a replica now ends instead
 
     async def open(self) -> None:
         # Idle upstream connections are dropped before vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)
@@ -219,15 +225,18 @@ class Upstream:
     async def cut_streams(self, grace_seconds: float = 2.0) -> int:
         """End every stream still being relayed with an error event saying the gateway is shutting down (the
         drain's last step, instead of a silent cut when the server stops); wait up to ``grace_seconds`` for the
-        events to go out. Returns how many streams were cut."""
+        events to go out. Returns how many streams were cut. A request waiting between two replicas (a
+        continuation, or a retry, waiting for one) is ended too: it stops waiting and answers with an error."""
+        self._shutting_down = True
         streams = list(self._streams)
+        waiting = len(self._waiting)
         for upstream in streams:
             self._cut.add(upstream)
             upstream.close()  # the relay's read ends; it sees the cut and writes the error event
         deadline = time.monotonic() + grace_seconds
-        while self._streams and time.monotonic() < deadline:
+        while (self._streams or self._waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return len(streams)
+        return len(streams) + waiting
 
     async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
                       arrived: float, prompt: str | None = None) -> Response:
@@ -490,8 +499,7 @@ class Upstream:
                 yield rest
             if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
                 outcome, status = Outcome.ABORTED, 503
-                message = "the gateway is shutting down; the stream was cut at the drain timeout"
-                yield f"data: {json.dumps(error_body(503, message, code='shutting_down'))}\n\n".encode()
+                yield SHUTDOWN_EVENT
                 return
             error = upstream_failure(exc)
             outcome, status = failure_outcome(exc), error.status
@@ -582,8 +590,7 @@ class Upstream:
                         yield held
                     if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
                         outcome, status = Outcome.ABORTED, 503
-                        message = "the gateway is shutting down; the stream was cut at the drain timeout"
-                        yield f"data: {json.dumps(error_body(503, message, code='shutting_down'))}\n\n".encode()
+                        yield SHUTDOWN_EVENT
                         return
                     if pending is not None:  # the continuation broke before its first event
                         pending.failed(self.metrics)
@@ -607,6 +614,7 @@ class Upstream:
                     log.warning("%s failed mid-stream (%s: %s) after %d token(s); continuing elsewhere",
                                 replica.name, reason, _describe(exc), len(ledger.sent_ids))
                     exchange.settle(failed)  # the broken replica's slot and connection, before the next slot
+                    self._streams.discard(upstream)  # no longer relayed: a cut now ends the wait instead
                     exchange.tried.add(replica.name)
                     exchange.migrations += 1
                     moved: dict[str, AttributeValue] = {"appliance.migration.reason": reason,
@@ -619,6 +627,10 @@ class Upstream:
                     except (APIError, RetryableUpstreamError, *UPSTREAM_ERRORS) as error:
                         pending.failed(self.metrics)
                         pending = None
+                        if isinstance(error, APIError) and error.code == "shutting_down":  # cut while it waited
+                            outcome, status = Outcome.ABORTED, 503
+                            yield SHUTDOWN_EVENT
+                            return
                         outcome, status = Outcome.FAILURE, 502
                         yield self._stream_error(exchange, exc, reason, f"no replica could continue it "
                                                  f"({_describe(error)})")
@@ -673,13 +685,18 @@ class Upstream:
         or the ejection ends. A new request would get its 503 at once; a stream already half-sent is worth
         waiting for, up to the queue timeout, like a queued request."""
         deadline = time.monotonic() + self.admission.queue_timeout_seconds
-        while True:
-            try:
-                return await self._admit(exchange)
-            except APIError as exc:
-                if exc.code != "no_ready_replica" or time.monotonic() >= deadline:
-                    raise
-            await asyncio.sleep(CONTINUATION_RETRY_SECONDS)
+        self._waiting.add(exchange)
+        try:
+            while not self._shutting_down:
+                try:
+                    return await self._admit(exchange)
+                except APIError as exc:
+                    if exc.code != "no_ready_replica" or time.monotonic() >= deadline:
+                        raise
+                await asyncio.sleep(CONTINUATION_RETRY_SECONDS)
+            raise APIError(503, "the gateway is shutting down (drain timeout)", code="shutting_down")
+        finally:
+            self._waiting.discard(exchange)
 
     def _stream_error(self, exchange: Exchange, exc: BaseException, reason: str, why: str) -> bytes:
         error = upstream_failure(exc) if not isinstance(exc, migration.StreamBreak) else \

@@ -8,6 +8,7 @@ Real engines: tests/integration/test_migration.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -267,6 +268,27 @@ def test_a_continuation_waiting_for_a_replica_is_still_owed_to_the_drain(engines
         assert gw.migrations("connection", "continued") == 1
         assert len(samples) > 10 and min(samples) == 1, samples
         assert min(gauge) == 1, gauge  # the SRE's view of the same count
+        assert wait_until(lambda: in_flight(gw.app) == 0)
+
+
+def test_a_continuation_still_waiting_at_the_drain_timeout_ends_with_an_error_event(engines, failures):
+    """The drain waits for it (above); when the drain times out, the streams still open are cut with an error
+    event, and one whose continuation waits for a replica is cut too, not left to a silent close by the server."""
+    failures.append(Failure(after=4))
+    with Gateway(engines, routing={"eject_base_seconds": 60}) as gw:
+        gateway = context_of(gw.app).gateway
+        gateway.router.eject("replica-1", "a TTFT outlier")
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(gw.stream, "completions", body_for("completions", 10))
+            # open, holding no slot: the continuation waits for a replica
+            assert wait_until(lambda: engines[0].received and in_flight(gw.app) == 1
+                              and gateway.router.in_flight() == 0, timeout=10)
+            loop = gw.live.server.servers[0].get_loop()
+            cut = asyncio.run_coroutine_threadsafe(gateway.upstream.cut_streams(), loop).result(10)
+            events = streamed.result(10)
+        assert cut == 1
+        assert events[-1]["error"]["code"] == "shutting_down", events[-1]  # as every stream cut at the timeout
+        assert text_of(events, "completions") == expected_text("completions", 4)  # what was sent stays exact
         assert wait_until(lambda: in_flight(gw.app) == 0)
 
 
