@@ -1,5 +1,8 @@
 """Each scorer alone: 0..1 per candidate, None (neutral) when it cannot tell."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
 from appliance.gateway.router import Router
@@ -163,3 +166,29 @@ def test_cache_room_rates_free_cache_for_a_prompt_every_replica_holds_equally_mu
     for replica in replicas:
         prefix.chosen(replica, RoutingRequest(shared))
     assert room.scores(replicas, router, RoutingRequest(shared + "a new user's question " * 3))[1] < 0.6
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(1, 4)), max_size=40),
+       st.lists(st.one_of(st.none(), st.integers(0, 30)), min_size=3, max_size=3),
+       st.integers(0, 5), st.integers(1, 4))
+def test_cache_room_never_overrides_affinity_and_stays_in_range(history, capacities, conversation, turns):
+    """Whatever each replica holds and whatever its capacity: for a prompt one replica holds more of, the
+    cache-room scorer has no opinion (affinity decides); otherwise every score it gives is a share in [0, 1], and
+    it gives none for a replica whose capacity is unknown."""
+    router, replicas, clock = fleet(n=3, scorers={"prefix": {"block_chars": 16, "chars_per_token": 4}})
+    prefix = router.policy.prefix
+    for replica, blocks in zip(replicas, capacities, strict=True):
+        router.update_load(replica.name, EngineLoad(kv_capacity_tokens=None if blocks is None else blocks * 4,
+                                                    read_at=clock.now))
+    for where, number, length in history:
+        prefix.chosen(replicas[where], prompt(number, turns=length))
+    request = prompt(conversation, turns=turns)
+    scores = CacheRoomScorer(prefix).scores(replicas, router, request)
+    matched = {prefix.index.matched_blocks(r.name, request.hashes(16)) for r in replicas}
+    if len(matched) > 1:
+        assert scores == [None, None, None]
+    else:
+        for replica, blocks, score in zip(replicas, capacities, scores, strict=True):
+            assert (score is None) == (not blocks), (replica.name, blocks, score)
+            assert score is None or 0.0 <= score <= 1.0
