@@ -127,7 +127,7 @@ def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
     if settings.role == "gateway":
         return DnsFleet.from_settings(settings, registry)
     if settings.discovery.engine_urls:
-        return ExternalFleet(settings.discovery.engine_urls)
+        return ExternalFleet(settings.discovery.engine_urls, settings.engine.health_timeout_seconds)
     return Supervisor.from_settings(settings, engine_extra_env(settings))
 
 

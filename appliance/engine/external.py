@@ -9,7 +9,7 @@ import logging
 import aiohttp
 
 from appliance.engine.contract import NotRestartable, ReplicaState, ReplicaStatus
-from appliance.engine.replica import probe_health
+from appliance.engine.replica import HEALTH_PROBE_TIMEOUT_SECONDS, probe_health
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ class ExternalReplica:
     placement = None
     kv_cache_space_bytes = None
 
-    def __init__(self, index: int, url: str) -> None:
+    def __init__(self, index: int, url: str, health_timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS) -> None:
         self.name = f"external-{index}"
         self.url = url.rstrip("/")
+        self.health_timeout_seconds = health_timeout_seconds
         self.status = ReplicaStatus(state=ReplicaState.STARTING)
         self._task: asyncio.Task[None] | None = None
 
@@ -57,7 +58,7 @@ class ExternalReplica:
     async def _watch(self, session: aiohttp.ClientSession) -> None:
         failures = 0
         while True:
-            healthy = await probe_health(session, self.url)
+            healthy = await probe_health(session, self.url, self.health_timeout_seconds)
             failures = 0 if healthy else failures + 1
             state = self.status.state
             if healthy and state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY):
@@ -72,8 +73,8 @@ class ExternalReplica:
 class ExternalFleet:
     """The supervisor's interface over external engines: start/stop only follow health."""
 
-    def __init__(self, urls: list[str]) -> None:
-        self.replicas = [ExternalReplica(i, url) for i, url in enumerate(urls)]
+    def __init__(self, urls: list[str], health_timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS) -> None:
+        self.replicas = [ExternalReplica(i, url, health_timeout_seconds) for i, url in enumerate(urls)]
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:

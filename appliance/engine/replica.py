@@ -31,14 +31,14 @@ log = logging.getLogger(__name__)
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
 
 
-HEALTH_PROBE_TIMEOUT_SECONDS = 2.0
+HEALTH_PROBE_TIMEOUT_SECONDS = 2.0  # engine.health_timeout_seconds' default
 
 
-async def probe_health(session: aiohttp.ClientSession, url: str) -> bool:
-    """One look at an engine's /health: green only on a 200 within HEALTH_PROBE_TIMEOUT_SECONDS."""
+async def probe_health(session: aiohttp.ClientSession, url: str,
+                       timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS) -> bool:
+    """One look at an engine's /health: green only on a 200 within ``timeout_seconds``."""
     try:
-        async with session.get(f"{url}/health",
-                               timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_SECONDS)) as resp:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
             return resp.status == 200
     except (TimeoutError, aiohttp.ClientError, OSError):
         return False
@@ -61,6 +61,7 @@ class ReplicaSpec:
     log_max_bytes: int = 50_000_000  # log_path rotates at this size (see appliance.engine.logs)
     log_backups: int = 3  # rotated files kept
     log_stdout: bool = False  # engine lines also on the appliance's stdout, prefixed with the replica's name
+    health_timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS  # one /health probe's answer time
 
     @property
     def name(self) -> str:
@@ -248,7 +249,8 @@ class SupervisedReplica:
                 await self._close_log()
                 return code
             assert self._session is not None
-            healthy = await probe_health(self._session, self.url) and await self._answers_itself()
+            healthy = (await probe_health(self._session, self.url, self.spec.health_timeout_seconds)
+                       and await self._answers_itself())
             state = self.status.state
             if healthy:
                 failures = 0

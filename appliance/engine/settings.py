@@ -74,6 +74,11 @@ class EngineSettings(BaseModel):
     start_timeout_seconds: float = Field(
         300, gt=0, description="How long a starting engine may take to answer /health before it counts as failed."
     )
+    health_timeout_seconds: float = Field(
+        2.0, gt=0, description="How long one /health probe of a running engine may take; 3 failed probes in a "
+        "row (2 s apart) take it out of routing. Raise it where engines share starved CPUs: their API server then "
+        "answers late while it streams."
+    )
     extra_args: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
         "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."

@@ -63,6 +63,7 @@ class FleetPlan:
                     log_max_bytes=engine.log_max_bytes,
                     log_backups=engine.log_backups,
                     log_stdout=engine.log_stdout,
+                    health_timeout_seconds=engine.health_timeout_seconds,
                 )
             )
         return specs

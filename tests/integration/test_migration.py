@@ -270,7 +270,11 @@ def short_drain(demo_model_int8, tmp_path_factory):
                                 "APPLIANCE_ENGINE__MAX_NUM_SEQS": "4",
                                 # a replica's slow first answers on this host must not eject the other one
                                 # while this one restarts: maintenance would refuse the restart (409)
-                                "APPLIANCE_ROUTING__LATENCY_OUTLIER_FACTOR": "1000"})
+                                "APPLIANCE_ROUTING__LATENCY_OUTLIER_FACTOR": "1000",
+                                # nor may the other one be taken out of routing because its API server, on a
+                                # CPU shared with 24 streams and the compose build, answered /health in over 2 s
+                                # three times in a row: a CI run saw both replicas marked unhealthy that way
+                                "APPLIANCE_ENGINE__HEALTH_TIMEOUT_SECONDS": "10"})
     app.start()
     try:
         app.wait_ready(timeout=400)
