@@ -80,6 +80,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     upstream = Upstream(admission, request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                         timeout_seconds=settings.gateway.request_timeout_seconds,
                         idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
+                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds,
                         tracing=_records_traces(settings.gateway, span_exporter), accounting=accounting, quotas=quotas,
                         migration_limit=settings.routing.migration_limit,
                         max_model_len=settings.engine.max_model_len)

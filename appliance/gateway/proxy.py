@@ -180,7 +180,8 @@ class Upstream:
     def __init__(self, admission: Admission, metrics: RequestMetrics, tracer: trace.Tracer, *,
                  timeout_seconds: float, tracing: bool, max_attempts: int = 2,
                  idle_timeout_seconds: float | None = None, accounting: TenantAccounting | None = None,
-                 quotas: Quotas | None = None, migration_limit: int = 0, max_model_len: int | None = None) -> None:
+                 quotas: Quotas | None = None, migration_limit: int = 0, max_model_len: int | None = None,
+                 connect_timeout_seconds: float = 5.0) -> None:
         self.admission = admission
         self.migration_limit = migration_limit  # routing.migration_limit: continuations per request (0: none)
         self.max_model_len = max_model_len  # engine.max_model_len: what a continuation's prompt may grow to
@@ -190,10 +191,10 @@ class Upstream:
         self.tracer = tracer
         self.tracing = tracing
         self.max_attempts = max_attempts
-        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=connect_timeout_seconds)
         # Streams also get an idle-read timeout: a silent engine must not hold a slot for the whole request
         # timeout. Not for non-streaming requests: their answer comes in one piece at the end of the generation.
-        self._stream_timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=5,
+        self._stream_timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=connect_timeout_seconds,
                                                      sock_read=idle_timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
         self._streams: set[aiohttp.ClientResponse] = set()  # streams being relayed

@@ -60,6 +60,10 @@ class GatewaySettings(BaseModel):
         "the stream is cut with an error event and its slot freed; non-streaming answers are bounded by "
         "request_timeout_seconds only."
     )
+    upstream_connect_timeout_seconds: float = Field(
+        5.0, gt=0, description="How long opening a connection to an engine may take; a connection not made in time "
+        "is retried on another replica (the engine never saw the request)."
+    )
     max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."

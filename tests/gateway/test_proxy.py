@@ -148,3 +148,18 @@ def test_a_retry_waits_for_a_replica_that_is_only_ejected(make_client, stubs, re
     assert response.status_code == 200, response.text
     assert response.headers["x-appliance-replica"] == "replica-1"
     assert all(router.in_flight(r.name) == 0 for r in replicas)
+
+
+def test_the_upstream_connect_timeout_is_the_setting():
+    """gateway.upstream_connect_timeout_seconds bounds opening a connection to an engine, for streams and whole
+    answers alike (it was a constant 5 s)."""
+    from prometheus_client import CollectorRegistry
+
+    from appliance.app import create_app
+    from appliance.context import context_of
+    from appliance.settings import Settings
+
+    app = create_app(Settings(served_model_name="demo", gateway={"upstream_connect_timeout_seconds": 12.5}),
+                     replicas=lambda: [], registry=CollectorRegistry())
+    upstream = context_of(app).gateway.upstream
+    assert upstream._timeout.sock_connect == upstream._stream_timeout.sock_connect == 12.5
