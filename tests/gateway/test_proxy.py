@@ -3,8 +3,12 @@
 import json
 import threading
 
+from prometheus_client import CollectorRegistry
+
+from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.router import Outcome
+from appliance.settings import Settings
 
 
 def test_body_passes_through_byte_for_byte(client, stubs):
@@ -153,12 +157,6 @@ def test_a_retry_waits_for_a_replica_that_is_only_ejected(make_client, stubs, re
 def test_the_upstream_connect_timeout_is_the_setting():
     """gateway.upstream_connect_timeout_seconds bounds opening a connection to an engine, for streams and whole
     answers alike (it was a constant 5 s)."""
-    from prometheus_client import CollectorRegistry
-
-    from appliance.app import create_app
-    from appliance.context import context_of
-    from appliance.settings import Settings
-
     app = create_app(Settings(served_model_name="demo", gateway={"upstream_connect_timeout_seconds": 12.5}),
                      replicas=lambda: [], registry=CollectorRegistry())
     upstream = context_of(app).gateway.upstream
