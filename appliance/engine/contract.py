@@ -49,6 +49,9 @@ class ReplicaStatus:
     planned_restart: bool = False  # a maintenance restart: requests may wait for it instead of failing
     hold_when_ready: bool = False  # maintenance: come back drained (to be warmed), not straight into routing
     consecutive_crashes: int = field(default=0, repr=False)
+    # time.monotonic() when the gateway last received response bytes from this engine (the data path writes it):
+    # first-hand evidence that it works, which a /health answer late under load does not outweigh (health.py)
+    last_progress: float | None = field(default=None, repr=False)
 
 
 class NotRestartable(Exception):

@@ -9,7 +9,7 @@ import logging
 import aiohttp
 
 from appliance.engine.contract import NotRestartable, ReplicaState, ReplicaStatus
-from appliance.engine.replica import HEALTH_PROBE_TIMEOUT_SECONDS, probe_health
+from appliance.engine.health import HEALTH_PROBE_TIMEOUT_SECONDS, Health, HealthFailures, probe_health
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,16 @@ class ExternalReplica:
         self.status.state = ReplicaState.STOPPED
 
     async def _watch(self, session: aiohttp.ClientSession) -> None:
-        failures = 0
+        failures = HealthFailures(self.status, self.health_timeout_seconds + self.HEALTH_INTERVAL_SECONDS)
         while True:
-            healthy = await probe_health(session, self.url, self.health_timeout_seconds)
-            failures = 0 if healthy else failures + 1
+            health = await probe_health(session, self.url, self.health_timeout_seconds)
+            counted = failures.record(health)
             state = self.status.state
-            if healthy and state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY):
+            if health is Health.OK and state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY):
                 log.info("%s (%s) is healthy", self.name, self.url)
                 self.status.state = ReplicaState.READY
-            elif failures >= self.HEALTH_FAILURES_UNHEALTHY and state is ReplicaState.READY:
-                log.warning("%s (%s) failed %d health checks", self.name, self.url, failures)
+            elif counted >= self.HEALTH_FAILURES_UNHEALTHY and state is ReplicaState.READY:
+                log.warning("%s (%s) failed %d health checks", self.name, self.url, counted)
                 self.status.state = ReplicaState.UNHEALTHY
             await asyncio.sleep(self.HEALTH_INTERVAL_SECONDS if self.routable else 0.5)
 

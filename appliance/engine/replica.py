@@ -21,6 +21,7 @@ import aiohttp
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.environment import engine_base_env
+from appliance.engine.health import HEALTH_PROBE_TIMEOUT_SECONDS, Health, HealthFailures, probe_health
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.logs import EngineLogPump
 from appliance.engine.placement import Placement
@@ -29,19 +30,6 @@ from appliance.engine.ports import tree_listens_on
 log = logging.getLogger(__name__)
 
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
-
-
-HEALTH_PROBE_TIMEOUT_SECONDS = 2.0  # engine.health_timeout_seconds' default
-
-
-async def probe_health(session: aiohttp.ClientSession, url: str,
-                       timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS) -> bool:
-    """One look at an engine's /health: green only on a 200 within ``timeout_seconds``."""
-    try:
-        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
-            return resp.status == 200
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return False
 
 
 @dataclass
@@ -241,7 +229,7 @@ class SupervisedReplica:
         """Watch the process: mark it ready when /health turns green, unhealthy when it fails; return exit code."""
         assert self._proc is not None
         spawned = time.monotonic()
-        failures = 0
+        failures = HealthFailures(self.status, self.spec.health_timeout_seconds + self.HEALTH_INTERVAL_SECONDS)
         while True:
             code = self._proc.poll()
             if code is not None:
@@ -249,19 +237,19 @@ class SupervisedReplica:
                 await self._close_log()
                 return code
             assert self._session is not None
-            healthy = (await probe_health(self._session, self.url, self.spec.health_timeout_seconds)
-                       and await self._answers_itself())
+            health = await probe_health(self._session, self.url, self.spec.health_timeout_seconds)
+            if health is Health.OK and not await self._answers_itself():
+                health = Health.FAILED
+            counted = failures.record(health)
             state = self.status.state
-            if healthy:
-                failures = 0
+            if health is Health.OK:
                 if state is ReplicaState.STARTING:
                     self._mark_ready(time.monotonic() - spawned)
                 elif state is ReplicaState.UNHEALTHY:
                     self.status.state = ReplicaState.READY
             else:
-                failures += 1
-                if state is ReplicaState.READY and failures >= self.HEALTH_FAILURES_UNHEALTHY:
-                    log.warning("%s failed %d health checks; not routing to it", self.name, failures)
+                if state is ReplicaState.READY and counted >= self.HEALTH_FAILURES_UNHEALTHY:
+                    log.warning("%s failed %d health checks; not routing to it", self.name, counted)
                     self.status.state = ReplicaState.UNHEALTHY
                 if state is ReplicaState.STARTING and time.monotonic() - spawned > self.spec.start_timeout_seconds:
                     log.error("%s not healthy after %.0fs; killing it", self.name, self.spec.start_timeout_seconds)

@@ -76,8 +76,8 @@ class EngineSettings(BaseModel):
     )
     health_timeout_seconds: float = Field(
         2.0, gt=0, description="How long one /health probe of a running engine may take; 3 failed probes in a "
-        "row (2 s apart) take it out of routing. Raise it where engines share starved CPUs: their API server then "
-        "answers late while it streams."
+        "row (2 s apart) take it out of routing. A late probe does not count while the gateway receives the "
+        "engine's response bytes (busy, not hung). Raise it where engines share starved CPUs."
     )
     extra_args: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "

@@ -478,7 +478,7 @@ class Upstream:
                 elif last is not None:  # set together with first
                     self.metrics.itl.labels(exchange.route).observe(now - last)
                 last = now
-                self.admission.router.note_relayed(replica.name)
+                self.admission.router.note_relayed(replica)
                 sent = chunk.count(b"data: ")
                 chunks += sent
                 self._charge_streamed(exchange, sent)
@@ -538,7 +538,7 @@ class Upstream:
                 self._streams.add(upstream)
                 try:
                     async for chunk in upstream.content.iter_any():
-                        self.admission.router.note_relayed(replica.name)
+                        self.admission.router.note_relayed(replica)
                         # The whole events of one read go to the client together, one ASGI message and one write
                         # instead of one per event: a loaded gateway reads several at a time, and a write per
                         # event was much of the relay's cost, paid by every request's first token (issue 25).

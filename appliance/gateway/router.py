@@ -74,10 +74,13 @@ class Router:
             return sum(self.outstanding.values())
         return self.outstanding.get(name, 0)
 
-    def note_relayed(self, name: str) -> None:
-        """Response bytes from ``name`` just reached the gateway: first-hand evidence that it makes progress,
-        with no polling lag (engine counters can lag, or stand still on a loaded host while tokens flow)."""
-        self._relayed_at[name] = self._clock()
+    def note_relayed(self, replica: Replica) -> None:
+        """Response bytes from ``replica`` just reached the gateway: first-hand evidence that it makes progress,
+        with no polling lag (engine counters can lag, or stand still on a loaded host while tokens flow). Kept for
+        maintenance (``relayed_at``) and on the replica's status, where its health watch reads it
+        (appliance/engine/health.py: a late /health from an engine that streams is not a failure)."""
+        now = self._relayed_at[replica.name] = self._clock()
+        replica.status.last_progress = now
 
     def relayed_at(self, name: str) -> float | None:
         """When the gateway last relayed response bytes from ``name`` (the router's clock), or None."""

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from appliance.app import create_app
 from appliance.engine.external import ExternalFleet
-from appliance.engine.replica import probe_health
+from appliance.engine.health import Health, probe_health
 from appliance.engine.supervisor import build_specs
 from appliance.settings import Settings
 from tests.gateway.stub import StubUpstream
@@ -34,7 +34,7 @@ def test_gateway_routes_to_external_engines_once_healthy():
 def test_a_health_probe_is_judged_against_the_configured_timeout():
     """engine.health_timeout_seconds: an engine whose /health answers in 0.3 s fails a 0.1 s probe and passes a
     1 s one; the supervised replicas' specs and the external fleet both take the setting."""
-    async def scenario() -> tuple[bool, bool]:
+    async def scenario() -> tuple[Health, Health]:
         async def slow(_request: web.Request) -> web.Response:
             await asyncio.sleep(0.3)
             return web.Response(text="ok")
@@ -52,7 +52,7 @@ def test_a_health_probe_is_judged_against_the_configured_timeout():
         finally:
             await runner.cleanup()
 
-    assert asyncio.run(scenario()) == (False, True)
+    assert asyncio.run(scenario()) == (Health.LATE, Health.OK)
     settings = Settings(engine={"health_timeout_seconds": 7.5, "max_model_len": 64}, model="/nonexistent")
     assert {spec.health_timeout_seconds for spec in build_specs(settings, settings.model)} == {7.5}
     assert ExternalFleet(["http://x"], 7.5).replicas[0].health_timeout_seconds == 7.5

@@ -135,9 +135,12 @@ def test_ejection_backoff_decays_after_a_healthy_period():
 
 
 def test_the_router_remembers_when_it_last_relayed_bytes_from_a_replica():
+    """For maintenance (relayed_at) and on the replica's status, for its health watch (last_progress)."""
     now = [10.0]
     router = Router(list, clock=lambda: now[0])
-    assert router.relayed_at("replica-0") is None
-    router.note_relayed("replica-0")
+    replica = FakeReplica("replica-0")
+    assert router.relayed_at("replica-0") is None and replica.status.last_progress is None
+    router.note_relayed(replica)
     now[0] = 12.5
     assert router.relayed_at("replica-0") == 10.0
+    assert replica.status.last_progress == 10.0

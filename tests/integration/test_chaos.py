@@ -30,7 +30,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.engine.replica import HEALTH_PROBE_TIMEOUT_SECONDS, SupervisedReplica
+from appliance.engine.health import HEALTH_PROBE_TIMEOUT_SECONDS
+from appliance.engine.replica import SupervisedReplica
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV, live_assets
 from tests.integration.harness import ApplianceProcess, free_port_range
 from tests.polling import eventually
