@@ -71,6 +71,7 @@ def create_app(
         if fleet is not None:
             await fleet.start()
         gateway.poller.start()
+        gateway.event_loop.start()
         maintenance.start()
         # What is alive now (modules, the app, the settings: ~100k objects) lives as long as the app: frozen, the
         # collector's full passes skip it. Each full pass over it held the event loop ~30 ms, now and then, in the
@@ -81,6 +82,7 @@ def create_app(
         finally:
             gc.unfreeze()
             await maintenance.stop()
+            await gateway.event_loop.stop()
             await gateway.poller.stop()
             if fleet is not None:
                 await fleet.stop()

@@ -1,5 +1,6 @@
-"""The data path assembled: router, admission, the upstream proxy, the engine-load poller, request metrics and the
-tenants (their directory, quotas and accounting; ``update_tenants`` applies a reloaded configuration at once).
+"""The data path assembled: router, admission, the upstream proxy, the engine-load poller, request metrics, the
+event-loop lag probe and the tenants (their directory, quotas and accounting; ``update_tenants`` applies a reloaded
+configuration at once).
 
 It knows replicas only through ``appliance.engine.contract.Replica`` and knows nothing of maintenance; the
 composition root (``appliance.app``) builds it and hands the pieces maintenance needs as plain callables.
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoadPoller
 from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.event_loop import EventLoopLag
 from appliance.gateway.fleet_metrics import FleetCollector
 from appliance.gateway.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.proxy import Upstream
@@ -42,6 +44,7 @@ class Gateway:
     tenants: TenantDirectory
     accounting: TenantAccounting
     quotas: Quotas
+    event_loop: EventLoopLag
 
     def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str]) -> None:
         """A new tenant configuration, applied at once (``appliance reload``): keys, priorities, weights and quota
@@ -88,7 +91,9 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                                      upstream.open_requests))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
-    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas)
+    event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
+    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
+                   event_loop)
 
 
 def _records_traces(settings: GatewaySettings, exporter: SpanExporter | None) -> bool:

@@ -65,6 +65,11 @@ class GatewaySettings(BaseModel):
         "is retried on another replica (the engine never saw the request)."
     )
     max_request_bytes: int = Field(1_048_576, ge=1024, description="Largest request body the gateway accepts.")
+    event_loop_probe_seconds: float = Field(
+        0.1, gt=0, description="How often the gateway measures its event loop's lag (how late a timer fires: how "
+        "long every ready callback, first tokens and relayed stream events included, waited for the loop), "
+        "observed into appliance_event_loop_lag_seconds."
+    )
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/HTTP traces endpoint (e.g. http://tempo:4318/v1/traces); unset: only propagate."
     )
