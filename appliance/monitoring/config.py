@@ -138,6 +138,7 @@ class AlertKnobs(_Model):
     ApplianceReplicaNotReady: For
     ApplianceKVCacheNearFull: ThresholdWindow
     ApplianceQueueBacklog: ThresholdWindow
+    ApplianceEventLoopLagging: ThresholdWindow
     ApplianceLoadShedding: Threshold
     AppliancePreemptionStorm: ThresholdWindow
     ApplianceComputeSaturated: ThresholdWindow

@@ -242,6 +242,17 @@ def cause_alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - on
         description="On average {{ $value | printf \"%.1f\" }} requests waited in the admission queue of "
                     f"{{{{ $labels.instance }}}} over {queue.window}: demand exceeds the replicas' concurrency "
                     "limits."))
+    lag = knobs.ApplianceEventLoopLagging
+    out.append(Alert(
+        "ApplianceEventLoopLagging",
+        "histogram_quantile(0.99, sum by (job, instance, pod, le) "
+        f"(rate(appliance_event_loop_lag_seconds_bucket{{{app}}}[{lag.window}])))\n> {lag.threshold}\n",
+        "warning", for_=lag.for_,
+        summary="The event loop of gateway {{ $labels.instance }} is lagging.",
+        description="P99 event-loop lag of the gateway at {{ $labels.instance }} was {{ $value | humanizeDuration }} "
+                    f"over {lag.window} (threshold {lag.threshold}s): every first token, relayed stream event and "
+                    "/health answer waits that long for its CPU-saturated or blocked event loop, so TTFT and ITL "
+                    "grow on every stream."))
     shedding = knobs.ApplianceLoadShedding
     out.append(Alert(
         "ApplianceLoadShedding", f"job:appliance_admission_rejections:ratio_rate5m{{{app}}} > {shedding.threshold}",

@@ -25,6 +25,7 @@ from appliance.monitoring.dashboards.panels import (
 
 UID = "appliance-overview"
 TTFT_BURN, AVAILABILITY_BURN = "ApplianceTTFTBudgetBurn", "ApplianceAvailabilityBudgetBurn"
+LOOP_LAG = "ApplianceEventLoopLagging"
 
 
 def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
@@ -47,6 +48,8 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
     page_burn = config.page_burn
     burn_steps = [(None, "green"), (1, "orange"), (page_burn, "red")]
     ttft_objective = slos.ttft.objective
+    lag = "appliance_event_loop_lag_seconds"
+    lag_knobs = config.alerts.ApplianceEventLoopLagging
 
     now = [
         stat(1, "Request rate", target(total), unit="reqps", links=runbooks(config, "ApplianceDown"),
@@ -121,6 +124,14 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                           f"(rate(vllm:time_to_first_token_seconds_bucket{{{sel.engine}}}[{RATE}])))", "{{replica}}"),
                    unit="s", description="TTFT measured inside each vLLM engine (no gateway queue); the gap to "
                                          "the gateway's TTFT is queueing, routing and network."),
+        timeseries(21, "Event-loop lag (gateway)", *percentiles(lag, gw, by="instance", quantiles=(0.5, 0.99)),
+                   unit="s", thresholds=[(None, "green"), (lag_knobs.threshold, "red")],
+                   links=runbooks(config, LOOP_LAG),
+                   description=f"How late a timer on each gateway's event loop fired: how long every first token, "
+                               f"relayed stream event and /health answer waited for that one loop. The dashed "
+                               f"line is the {LOOP_LAG} threshold ({lag_knobs.threshold:g} s at p99 over "
+                               f"{lag_knobs.window}). High together with TTFT and ITL: the gateway's CPU is "
+                               f"saturated or something blocks its loop, not the engines."),
     ]
     distributions = [
         heatmap(17, "TTFT distribution", ttft, gw, unit="s",
@@ -132,6 +143,9 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                 description="Requests per second in each end-to-end latency bucket."),
         heatmap(20, "Queue wait distribution", "appliance_request_queue_wait_seconds", gw, unit="s",
                 description="Requests per second in each admission-queue wait bucket."),
+        heatmap(22, "Event-loop lag distribution", lag, gw, unit="s",
+                description="Event-loop probes per second in each lag bucket, all gateways together: rare long "
+                            "stalls (a blocking call, a long garbage-collector pass) that the p99 smooths away."),
     ]
     sections = [Section(101, "Service level now", now), Section(102, "Traffic and errors", traffic),
                 Section(103, "TTFT SLO and error budgets", slo_panels),

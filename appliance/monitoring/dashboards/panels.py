@@ -173,12 +173,13 @@ def table(pid: int, title: str, expr: str, *, description: str, unit: str = "non
 # --- PromQL shapes the panels repeat ------------------------------------------------------------------------------
 
 
-def percentiles(histogram: str, selector: str, *, by: str = "") -> list[Target]:
-    """P50, P95 and P99 of a histogram over ``$__rate_interval``."""
+def percentiles(histogram: str, selector: str, *, by: str = "",
+                quantiles: Sequence[float] = (0.5, 0.95, 0.99)) -> list[Target]:
+    """P50, P95 and P99 (or ``quantiles``) of a histogram over ``$__rate_interval``."""
     group = f"le, {by}" if by else "le"
     suffix = f" {{{{{by}}}}}" if by else ""
     return [target(f"histogram_quantile({q}, sum by ({group}) (rate({histogram}_bucket{{{selector}}}[{RATE}])))",
-                   f"p{round(q * 100)}{suffix}") for q in (0.5, 0.95, 0.99)]
+                   f"p{round(q * 100)}{suffix}") for q in quantiles]
 
 
 def rate(metric: str, selector: str, *, by: str = "") -> str:
