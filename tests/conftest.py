@@ -38,6 +38,16 @@ def demo_model_bf16(demo_model_int8: Path) -> Path:
     return demo_model_int8.with_name("demo-bf16")
 
 
+@pytest.fixture(autouse=True)
+def _no_host_probe_in_unit_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Apps built in-process by unit tests skip the start-up bandwidth/FLOP probe (collectors.probe_bandwidth): it
+    measured nothing those tests check and cost each app build up to seconds, over a hundred builds a run. Its own
+    tests (tests/collectors) ask for it explicitly, and real appliances (engine- and compose-marked tests, whose
+    harness passes no APPLIANCE_ variable of this process on) probe as in production."""
+    if request.node.get_closest_marker("engine") is None and request.node.get_closest_marker("compose") is None:
+        monkeypatch.setenv("APPLIANCE_COLLECTORS__PROBE_BANDWIDTH", "false")
+
+
 @pytest.fixture
 def stubs():
     """Two stub upstreams speaking vLLM's OpenAI API, for the gateway's and maintenance's unit tests (never what a

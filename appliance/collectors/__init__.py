@@ -103,7 +103,7 @@ def _host_peaks(settings: CollectorSettings, replicas: Callable[[], Sequence[Rep
     from appliance.collectors.probes import measure_host_peaks
 
     try:
-        peaks = measure_host_peaks(settings.probe_buffer_bytes)
+        peaks = measure_host_peaks(settings.probe_buffer_bytes, max_buffer_bytes=settings.probe_max_buffer_bytes)
     except Exception:  # a probe that cannot run (memory limits) costs MBU/MFU, never the gateway
         log.warning("host bandwidth/FLOP/s probe failed; MBU and MFU need configured peaks", exc_info=True)
         return None

@@ -2,7 +2,7 @@
 when the operator has not configured them.
 
 They are estimates, taken once at start (before the engines load, so they neither disturb nor are disturbed by
-serving) in a fraction of a second:
+serving), in about a second with buffers up to ``collectors.probe_max_buffer_bytes``:
 
 - bandwidth: numpy copies of a buffer much larger than the last-level cache, best of a few, counting the bytes
   read plus the bytes written (as STREAM's "copy" does). Once with one thread, once with one thread pinned to
@@ -41,16 +41,24 @@ class HostPeaks:
         return self.flops * min(1.0, max(1, cores) / max(1, self.cores))
 
 
-def measure_host_peaks(buffer_bytes: int, *, repeats: int = 3) -> HostPeaks:
+def measure_host_peaks(buffer_bytes: int, *, max_buffer_bytes: int | None = None, repeats: int = 3) -> HostPeaks:
     """Probe once: copies on one core and on every core (same buffers), then the matmul."""
     cores = sorted(os.sched_getaffinity(0))
-    size = max(buffer_bytes, 2 * last_level_cache_bytes(cores))
+    size = probe_buffer_size(buffer_bytes, last_level_cache_bytes(cores), max_buffer_bytes)
     source = np.ones(max(1, size // 8), dtype=np.float64)  # ones, not empty: fault every page in now
     target = np.zeros_like(source)
     single = copy_bandwidth(source, target, cores[:1], repeats=repeats)
     every = copy_bandwidth(source, target, cores, repeats=repeats) if len(cores) > 1 else single
     del source, target
     return HostPeaks(single, max(single, every), matmul_flops(repeats=repeats), len(cores))
+
+
+def probe_buffer_size(buffer_bytes: int, cache_bytes: int, max_buffer_bytes: int | None = None) -> int:
+    """Each copy buffer's size: twice the last-level cache (so copies reach memory, not the cache), at least
+    ``buffer_bytes``, at most ``max_buffer_bytes`` (never below ``buffer_bytes``): a VM here reports a 480 MiB
+    cache, and faulting in 2 x 960 MiB took the probe 24-33 s of every start."""
+    size = max(buffer_bytes, 2 * cache_bytes)
+    return size if max_buffer_bytes is None else max(buffer_bytes, min(size, max_buffer_bytes))
 
 
 def last_level_cache_bytes(cores: list[int]) -> int:

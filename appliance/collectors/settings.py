@@ -33,7 +33,15 @@ class CollectorSettings(BaseModel):
     )
     probe_buffer_bytes: int = Field(
         64 * 2**20, ge=2**20,
-        description="Size of each of the copy probe's two buffers; at least twice the last-level cache is used.",
+        description="Size of each of the copy probe's two buffers; at least twice the last-level cache is used, up "
+                    "to probe_max_buffer_bytes.",
+    )
+    probe_max_buffer_bytes: int = Field(
+        256 * 2**20, ge=2**20,
+        description="Cap on each copy-probe buffer. Hosts (and VMs) that report a last-level cache of hundreds of "
+                    "MiB would otherwise allocate twice that, twice, at start: on one such VM (480 MiB reported) the "
+                    "probe took 24-33 s. Above the cap the estimate may include cache bandwidth and read high; "
+                    "configure peak_memory_bandwidth_bytes_per_second there.",
     )
     engine_stats_dir: Path | None = Field(
         None, description="Where the engine plugin writes allocator statistics; default <state_dir>/engine-stats."

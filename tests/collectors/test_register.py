@@ -91,15 +91,16 @@ def test_the_probe_runs_once_at_registration(tmp_path: Path, idle_tree: EngineTr
     calls = []
     original = probes.measure_host_peaks
 
-    def counted(buffer_bytes: int, **kwargs: object) -> probes.HostPeaks:
-        calls.append(buffer_bytes)
-        return original(buffer_bytes, repeats=1)
+    def counted(buffer_bytes: int, *, max_buffer_bytes: int | None = None, **_: object) -> probes.HostPeaks:
+        calls.append((buffer_bytes, max_buffer_bytes))
+        return original(buffer_bytes, max_buffer_bytes=max_buffer_bytes, repeats=1)
 
     monkeypatch.setattr(probes, "measure_host_peaks", counted)
-    registry, _ = build(tmp_path, idle_tree, probe_bandwidth=True, probe_buffer_bytes=2**20)
+    registry, _ = build(tmp_path, idle_tree, probe_bandwidth=True, probe_buffer_bytes=2**20,
+                        probe_max_buffer_bytes=2**21)
     scrape(registry)
     families = scrape(registry)
-    assert len(calls) == 1
+    assert calls == [(2**20, 2**21)]  # once, with the configured sizes
     assert value(families, "appliance_peak_memory_bandwidth_bytes_per_second", replica="replica-0") > 1e8
     assert value(families, "appliance_peak_flops", replica="replica-0") > 1e7
 

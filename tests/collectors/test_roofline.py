@@ -11,7 +11,13 @@ from prometheus_client import CollectorRegistry
 
 from appliance.collectors.base import CollectorHealth, HealthCollector
 from appliance.collectors.nvml import NvmlSource
-from appliance.collectors.probes import HostPeaks, copy_bandwidth, last_level_cache_bytes, matmul_flops
+from appliance.collectors.probes import (
+    HostPeaks,
+    copy_bandwidth,
+    last_level_cache_bytes,
+    matmul_flops,
+    probe_buffer_size,
+)
 from appliance.collectors.roofline import (
     RooflineCollector,
     gpu_peak_flops,
@@ -81,6 +87,17 @@ def test_probes_measure_something_plausible() -> None:
     assert 1e8 < copy_bandwidth(source, target, [0], repeats=2) < 1e13
     assert 1e7 < matmul_flops(repeats=1, min_seconds=0.001, max_size=512) < 1e14
     assert last_level_cache_bytes([0]) >= 0
+
+
+def test_the_copy_buffers_exceed_the_cache_up_to_their_cap() -> None:
+    """Twice the last-level cache, at least the configured size, at most the cap (a VM reporting a 480 MiB cache
+    made the uncapped probe fault in 2 x 960 MiB at every start)."""
+    mib = 2**20
+    assert probe_buffer_size(64 * mib, 480 * mib) == 960 * mib  # no cap: as before
+    assert probe_buffer_size(64 * mib, 480 * mib, 256 * mib) == 256 * mib
+    assert probe_buffer_size(64 * mib, 16 * mib, 256 * mib) == 64 * mib
+    assert probe_buffer_size(64 * mib, 100 * mib, 256 * mib) == 200 * mib
+    assert probe_buffer_size(512 * mib, 480 * mib, 256 * mib) == 512 * mib  # the cap never shrinks the floor
 
 
 class Harness:
