@@ -18,4 +18,5 @@ def paused(*processes: psutil.Process) -> Iterator[None]:
         yield
     finally:
         for process in processes:
-            process.resume()
+            with contextlib.suppress(psutil.NoSuchProcess):  # ended meanwhile (its parent stopped it): none to resume
+                process.resume()

@@ -37,6 +37,7 @@ from appliance.engine.load import parse_engine_load
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV
 from tests.integration.harness import ApplianceProcess
 from tests.polling import eventually
+from tests.processes import paused
 
 pytestmark = pytest.mark.engine
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -288,10 +289,24 @@ def test_a_restart_whose_drain_times_out_moves_the_streams_instead_of_cutting_th
     drain_timeout_seconds, restart, warm, undrain), asked for through the admin API on the replica the gateway
     sent streams to (a rolling restart always starts with replica-0, which prefix affinity or a TTFT-outlier
     ejection after its start may have left without streams)."""
+    log = short_drain.state_dir / "appliance.log"
+
+    def drain_timeouts(name: str) -> int:
+        """How often the appliance has logged that ``name``'s drain timed out (RestartProcedure)."""
+        return sum(1 for line in log.read_text(errors="replace").splitlines()
+                   if f"{name}: " in line and "still in flight after the drain timeout" in line)
+
     def restart(name: str) -> None:
-        response = httpx.post(f"{short_drain.url}/admin/replicas/{name}/restart", headers=ADMIN, timeout=30)
-        assert response.status_code == 202, response.text
+        # The struck engine's model work is paused from the restart until its drain has timed out: on an idle
+        # host the engine finished its 4 running streams within the half-second drain (a run of this test alone
+        # saw no migration at all), and the drain must time out with streams mid-way for this test to mean
+        # anything. Its API server still answers; the appliance stops it after the timeout.
+        timeouts = drain_timeouts(name)
+        with paused(*short_drain.engine_core_processes(int(name.rsplit("-", 1)[1]))):
+            response = httpx.post(f"{short_drain.url}/admin/replicas/{name}/restart", headers=ADMIN, timeout=30)
+            assert response.status_code == 202, response.text
+            eventually(lambda: drain_timeouts(name) > timeouts, 60, f"{name}'s drain timed out", interval=0.05)
 
     # Struck as soon as the gateway has streams in flight there (no client-side condition: the engine finishes
-    # 800 tokens long before a client on this host has read them, and the drain gives it half a second more).
+    # 800 tokens long before a client on this host has read them).
     run_scenario(short_drain.url, restart, "restart", reason="drain", after_events=0)
