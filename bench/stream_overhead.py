@@ -11,7 +11,9 @@ last one ended; TTFT is the time from sending a request to its first chunk with 
 
 Prints per path: TTFT p50/p99, the p50 added against direct, events/s received by the clients, and the proxy's CPU
 per 1,000 events (psutil on the proxy's process; the Rust router's threads included), then the ratio of the
-gateway's added p50 to vllm-router's. Medians over the rounds. Numbers, never assertions.
+gateway's added p50 to vllm-router's, and the gateway's own event-loop lag over the rounds (its
+appliance_event_loop_lag_seconds: how long a ready callback, such as a first token, waited for the loop). Medians
+over the rounds. Numbers, never assertions.
 
 Pinning (os.sched_setaffinity): the proxies (gateway, vllm-router) on the first core, the stub engine and the load
 generator on the others (on a 2-core machine: they share the second), so a proxy's numbers are its own work and
@@ -258,6 +260,30 @@ def split_cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     return {cores[0]}, set(cores[1:])
 
 
+def loop_lag(url: str) -> tuple[float, float, float]:
+    """The gateway's own event-loop lag histogram (appliance_event_loop_lag_seconds): (probes, their summed lag,
+    probes later than 10 ms), cumulative; zeros where the path has none (direct, vllm-router, an older tree)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0, 0.0, 0.0
+    count = total = within = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "appliance_event_loop_lag_seconds_count":
+                count = sample.value
+            elif sample.name == "appliance_event_loop_lag_seconds_sum":
+                total = sample.value
+            elif sample.name == "appliance_event_loop_lag_seconds_bucket" and sample.labels.get("le") == "0.01":
+                within = sample.value
+    return count, total, count - within
+
+
 def cpu_seconds(proc: psutil.Process | None) -> float:
     if proc is None:
         return 0.0
@@ -345,10 +371,15 @@ def main() -> None:
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in order:
                 before = cpu_seconds(proxies.get(name))
+                lag_before = loop_lag(paths[name]) if name.startswith("gateway") else (0.0, 0.0, 0.0)
                 sample = asyncio.run(one_round(paths[name], args, args.requests, offset))
                 offset += args.concurrency * args.requests
                 sample["cpu_ms_per_k"] = (1000 * (cpu_seconds(proxies.get(name)) - before)
                                           / max(1, sample["events"]) * 1000)
+                if name.startswith("gateway"):
+                    probes, lag, late = (b - a for a, b in zip(lag_before, loop_lag(paths[name]), strict=True))
+                    sample["lag_mean_ms"] = 1000 * lag / probes if probes else float("nan")
+                    sample["lag_late_share"] = late / probes if probes else float("nan")
                 samples[name].append(sample)
         pinned = (f"proxies on cores {sorted(proxy_cores)}, stub engine and load generator on {sorted(load_cores)}"
                   if proxy_cores and load_cores else "not pinned")
@@ -384,6 +415,12 @@ def report(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     if "gateway" in added and "vllm-router" in added:
         print(f"gateway added / vllm-router added (TTFT p50): {added['gateway']:.1f} / {added['vllm-router']:.1f} ms "
               f"= {added['gateway'] / added['vllm-router'] if added['vllm-router'] else float('inf'):.2f}")
+    for name in samples:
+        if samples[name] and "lag_mean_ms" in samples[name][0] and med(name, "lag_mean_ms") == med(name, "lag_mean_ms"):
+            # NaN where the tree has no such metric (a --compare-tree from before it)
+            print(f"{name} event-loop lag during the rounds (appliance_event_loop_lag_seconds, a probe every 0.1 s): "
+                  f"mean {med(name, 'lag_mean_ms'):.1f} ms, share of probes later than 10 ms "
+                  f"{med(name, 'lag_late_share'):.2f}")
     print("per round (TTFT p50 ms): " + "; ".join(
         f"{name} " + " ".join(f"{1000 * s['ttft_p50']:.1f}" for s in samples[name]) for name in samples))
 
