@@ -78,7 +78,22 @@ T = TypeVar("T")
 
 
 class RetryableUpstreamError(Exception):
-    """The replica failed before it could have done any work; another replica may take the request."""
+    """The replica failed before it could have done any work; another replica may take the request.
+    ``stale``: the connection dropped without an answer, as a pooled keep-alive connection that the engine closed
+    does; the same replica may take the request on a new connection."""
+
+    def __init__(self, message: str, *, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
+
+
+def dropped_connection(exc: BaseException) -> bool:
+    """An established connection dropped without an answer (not a refused connect, not a timeout): what reusing a
+    keep-alive connection the engine has just closed looks like. A gateway whose loop runs late can miss its own
+    idle-connection deadline (UPSTREAM_KEEPALIVE_SECONDS) and reuse one; a CI run on a loaded host saw a stream's
+    continuation get 502 that way, the only other replica being restarted."""
+    return (isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            and not isinstance(exc, aiohttp.ClientConnectorError))
 
 
 class RerunElsewhere(RetryableUpstreamError):
@@ -330,6 +345,7 @@ class Upstream:
         attempts = 0
         rerun: str | None = None  # a non-streaming answer broke: the reason its re-run is for
         patient = False  # a retry whose only other replicas are ejected for now waits for one (_admit_patiently)
+        dropped: set[str] = set()  # replicas that dropped a connection unanswered once: each gets one more try
         while attempts < self.max_attempts:
             exchange.lease = await (self._admit_patiently(exchange) if patient else self._admit(exchange))
             replica = exchange.replica
@@ -346,9 +362,14 @@ class Upstream:
                     break
                 continue
             except RetryableUpstreamError as exc:
+                last_error = str(exc)
+                if exc.stale and replica.name not in dropped:
+                    dropped.add(replica.name)  # likely a stale pooled connection, not the replica: once more
+                    log.warning("%s dropped the connection before answering (%s); trying it once more",
+                                replica.name, exc)
+                    continue
                 attempts += 1
                 exchange.tried.add(replica.name)
-                last_error = str(exc)
                 log.warning("%s failed before first byte (%s); retrying elsewhere", replica.name, exc)
                 if not self.admission.router.any_eligible(exchange.tried):
                     if not self._routable_besides(exchange.tried):
@@ -397,7 +418,7 @@ class Upstream:
             span.end()
             exchange.settle(failure_outcome(exc))
             if never_reached_engine(exc):
-                raise RetryableUpstreamError(type(exc).__name__) from exc
+                raise RetryableUpstreamError(type(exc).__name__, stale=dropped_connection(exc)) from exc
             raise upstream_failure(exc) from exc
         except BaseException:
             span.end()

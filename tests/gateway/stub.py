@@ -28,6 +28,7 @@ class StubUpstream:
         self.port = port
         self.aborted = 0  # requests whose client (the gateway) hung up before the answer was complete
         self.answered = 0  # non-streaming requests answered in full
+        self.reset_next = 0  # the next N requests: their connection is closed unanswered (a stale keep-alive)
 
     def start(self) -> StubUpstream:
         ready = threading.Event()
@@ -80,6 +81,11 @@ class StubUpstream:
         body = json.loads(raw)
         self.received.append({"raw": raw, "body": body})
         self.headers.append(dict(request.headers))
+        if self.reset_next > 0:
+            self.reset_next -= 1
+            assert request.transport is not None
+            request.transport.abort()  # no status line: the client sees the connection dropped
+            return web.Response()
         if self.fail_status:
             return web.json_response({"error": {"message": "stub failure"}}, status=self.fail_status)
         if not body.get("stream"):

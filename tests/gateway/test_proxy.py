@@ -3,6 +3,7 @@
 import json
 import threading
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
@@ -161,3 +162,27 @@ def test_the_upstream_connect_timeout_is_the_setting():
                      replicas=lambda: [], registry=CollectorRegistry())
     upstream = context_of(app).gateway.upstream
     assert upstream._timeout.sock_connect == upstream._stream_timeout.sock_connect == 12.5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connection_dropped_unanswered_is_tried_again_on_the_same_replica(make_client, stubs, replicas, stream):
+    """A connection that drops without an answer (a pooled keep-alive connection the engine had just closed) is not
+    the replica's fault: tried once more there, even when no other replica could take the request. A CI run saw a
+    request get 502 that way while the only other replica restarted."""
+    replicas[1].routable = False  # the other replica is restarting
+    stubs[0].reset_next = 1
+    client = make_client()
+    response = client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-appliance-replica"] == "replica-0"
+    assert len(stubs[0].received) == 2
+
+
+def test_a_replica_that_keeps_dropping_connections_gets_one_more_try_only(make_client, stubs, replicas):
+    """The one more try is per replica and request: a replica that drops every connection still fails it."""
+    replicas[1].routable = False
+    stubs[0].reset_next = 10
+    client = make_client()
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 502, response.text
+    assert len(stubs[0].received) == 2
