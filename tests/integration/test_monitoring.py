@@ -103,7 +103,10 @@ def test_every_rule_evaluates_without_error_on_live_data(stack: Stack) -> None:
     # The SLIs the paging alerts stand on exist as soon as requests flow.
     eventually(lambda: stack.query("job:appliance_requests:rate5m"), 20, "request-rate recording rule has data")
     eventually(lambda: stack.query("job:appliance_request_ttft_slow:ratio_rate5m"), 20, "TTFT SLI has data")
-    assert stack.query('job:appliance_replicas_ready:sum')[0]["value"][1] == "2"
+    # Eventually: a CI run found this rule's result empty at one look (an engine of the shared appliance had just
+    # been restarted on a loaded host); what must hold is that it comes to say both replicas are ready.
+    eventually(lambda: (ready := stack.query("job:appliance_replicas_ready:sum")) and ready[0]["value"][1] == "2",
+               120, "the ready-replicas rule says 2")
 
 
 def test_a_firing_alert_reaches_alertmanager_and_the_appliance_webhook(stack: Stack) -> None:
