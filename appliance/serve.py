@@ -30,11 +30,10 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.collectors import engine_stats_env
+from appliance.composition.fleet import build_dns_fleet, build_supervisor
 from appliance.context import context_of
 from appliance.engine.contract import Fleet
-from appliance.engine.discovery import DnsFleet
 from appliance.engine.external import ExternalFleet
-from appliance.engine.supervisor import Supervisor
 from appliance.gateway.connections import GuardedHttpToolsProtocol
 from appliance.settings import Settings
 
@@ -125,10 +124,10 @@ def engine_extra_env(settings: Settings) -> dict[str, str]:
 def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
     """The engines this appliance routes to: found by DNS (gateway role), at ``engine_urls``, or its own."""
     if settings.role == "gateway":
-        return DnsFleet.from_settings(settings, registry)
+        return build_dns_fleet(settings, registry)
     if settings.discovery.engine_urls:
         return ExternalFleet(settings.discovery.engine_urls, settings.engine.health_timeout_seconds)
-    return Supervisor.from_settings(settings, engine_extra_env(settings))
+    return build_supervisor(settings, engine_extra_env(settings))
 
 
 def server_options(settings: Settings) -> dict[str, Any]:

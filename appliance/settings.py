@@ -138,6 +138,36 @@ class _SectionedYaml(YamlConfigSettingsSource):
         return nest_flat_keys(super().__call__(), f"in {self.yaml_file_path}")
 
 
+class _TtftSloDefault(PydanticBaseSettingsSource):
+    """The lowest source: ``gateway.slo_ttft_p95_seconds``, where no other source sets it, is the TTFT threshold of
+    the alerts/config.yaml this appliance serves, so that admission aims at the SLO the alerts page on.
+
+    The one place that default is resolved: it joins two sections (the gateway's SLO, the monitoring assets' folder),
+    so it belongs to the settings that compose them, not to either section. A source rather than a validator: it
+    sees what the other sources gave (``monitoring.assets_dir`` included), and a missing or broken config.yaml
+    raises its own error naming the file instead of a validation message about the gateway section."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the other sources' merged values
+
+    def __call__(self) -> dict[str, Any]:
+        gateway = self.current_state.get("gateway", {})
+        if not isinstance(gateway, Mapping) or gateway.get("slo_ttft_p95_seconds") is not None:
+            return {}
+        config = served_alerts_config(self.current_state.get("monitoring"))
+        return {"gateway": {"slo_ttft_p95_seconds": ttft_slo_seconds(config)}}
+
+
+def served_alerts_config(monitoring: Any) -> Path | None:
+    """The alerts/config.yaml under ``monitoring.assets_dir`` (a mapping or a section, as a source gives it) where
+    that folder has one: the images install the package apart from its assets, in /opt/appliance. None: the
+    source tree's (``ttft_slo_seconds``' own default, an error naming the file if that is missing too)."""
+    assets = monitoring.get("assets_dir") if isinstance(monitoring, Mapping) else getattr(monitoring, "assets_dir",
+                                                                                            None)
+    config = Path(assets) / "alerts" / "config.yaml" if assets else None
+    return config if config is not None and config.is_file() else None
+
+
 class Settings(BaseSettings):
     """Everything the appliance reads at start. See docs/configuration.md for each key."""
 
@@ -166,7 +196,7 @@ class Settings(BaseSettings):
         "all", description="all: gateway and engines in one process (one host). node: this node's engines (a "
         "Kubernetes node pod). gateway: routing only, engines found by `discovery`."
     )
-    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    gateway: GatewaySettings  # never missing: _TtftSloDefault gives at least its TTFT SLO, which has no default
     engine: EngineSettings = Field(default_factory=EngineSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
@@ -187,26 +217,6 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_model_is_unset(cls, value: Any) -> Any:
         return blank_is_unset(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _slo_from_the_assets_in_use(cls, data: Any) -> Any:
-        """gateway.slo_ttft_p95_seconds defaults to the TTFT threshold of the alerts/config.yaml this appliance
-        serves: the one under monitoring.assets_dir where that folder has one (the images install the package apart
-        from its assets, in /opt/appliance), else the source tree's (the field's default; an error naming the file
-        if that is missing too)."""
-        if not isinstance(data, dict):
-            return data
-        gateway = data.get("gateway", {})
-        if not isinstance(gateway, dict) or gateway.get("slo_ttft_p95_seconds") is not None:
-            return data
-        monitoring = data.get("monitoring")
-        assets = monitoring.get("assets_dir") if isinstance(monitoring, dict) else getattr(monitoring, "assets_dir",
-                                                                                             None)
-        config = Path(assets) / "alerts" / "config.yaml" if assets else None
-        if config is not None and config.is_file():
-            data = {**data, "gateway": {**gateway, "slo_ttft_p95_seconds": ttft_slo_seconds(config)}}
-        return data
 
     @model_validator(mode="after")
     def _tenants_are_distinct(self) -> Settings:
@@ -333,6 +343,7 @@ class Settings(BaseSettings):
         yaml_file = settings_cls.model_config.get("yaml_file")
         if yaml_file:
             sources.append(_SectionedYaml(settings_cls, yaml_file=yaml_file))
+        sources.append(_TtftSloDefault(settings_cls))
         return tuple(sources)
 
 

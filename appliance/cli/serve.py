@@ -70,9 +70,9 @@ def cmd_up(args: argparse.Namespace) -> int:
               "Alertmanager posts alerts with it)")
     monitoring = None
     if settings.monitoring.local and not args.no_monitoring:
-        from appliance.monitoring.local import LocalMonitoring
+        from appliance.composition.monitoring import local_monitoring
 
-        monitoring = LocalMonitoring(settings)
+        monitoring = local_monitoring(settings)
         for service in monitoring.start():
             print(f"appliance: {service.name:<12} {service.url}")
     base = f"http://{settings.gateway.host}:{settings.gateway.port}"
@@ -88,7 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_monitoring_config(args: argparse.Namespace) -> int:
-    from appliance.monitoring.bundle import write_bundle
+    from appliance.composition.monitoring import write_bundle
 
     settings = load(args)
     bundle = write_bundle(args.out, settings, gateway=args.gateway, alertmanager=args.alertmanager or None,
@@ -104,7 +104,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         if settings.model is None:
             print("# engines: no model set; `appliance serve` builds the demo model at start and runs that")
         else:
-            from appliance.engine.supervisor import build_specs
+            from appliance.composition.fleet import build_specs
             from appliance.serve import engine_extra_env
 
             for spec in build_specs(settings, settings.model, engine_extra_env(settings)):

@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from appliance.engine.external import ExternalReplica
 from appliance.engine.settings import DiscoverySettings
-from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +131,11 @@ class DnsFleet:
         self.last_change: float | None = None  # unix time the set of engines last changed
 
     @classmethod
-    def from_settings(cls, settings: Settings, registry: CollectorRegistry | None = None) -> DnsFleet:
-        discovery = settings.discovery
-        ports = [settings.engine.base_port + i for i in range(discovery.engines_per_node)]
+    def from_discovery(cls, discovery: DiscoverySettings, base_port: int,
+                       registry: CollectorRegistry | None = None) -> DnsFleet:
+        """The engines behind ``discovery.name``: ``discovery.engines_per_node`` per address, on consecutive ports
+        from ``base_port`` (the nodes' ``engine.base_port``, given by whoever composes the settings)."""
+        ports = [base_port + i for i in range(discovery.engines_per_node)]
         return cls(resolver_for(discovery), ports=ports, interval_seconds=discovery.interval_seconds,
                    registry=registry)
 

@@ -4,8 +4,8 @@ A probe has three outcomes, not two: green, refused (no engine, or an error), an
 ``engine.health_timeout_seconds``). vLLM answers /health on its API server's event loop, the same loop that streams
 every token, so a busy engine on a loaded host answers late while it serves well. A late answer therefore does not
 count against an engine while the gateway keeps receiving its response bytes (``ReplicaStatus.last_progress``,
-written by the data path): a CI run saw both replicas taken out of routing that way, under 24 streams, and every
-request then failed with no replica. A refused probe always counts, and so does a late one from an engine that sends
+written by the data path): otherwise a loaded host takes every busy replica out of routing, and every request
+then fails with no replica. A refused probe always counts, and so does a late one from an engine that sends
 nothing: a hung engine is still found.
 """
 

@@ -15,7 +15,6 @@ from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import Placement, detect_device, plan_placements
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.engine.settings import EngineSettings
-from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +33,13 @@ class FleetPlan:
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> FleetPlan:
-        device = detect_device(settings.device)
-        placements = plan_placements(
-            settings.replicas, device, tensor_parallel_size=settings.engine.tensor_parallel_size
-        )
-        assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
-        return cls(model, settings.served_model_name, tuple(placements), settings.state_dir, dict(extra_env or {}))
+    def place(cls, model: Path, served_model_name: str, *, replicas: int, device: str, engine: EngineSettings,
+              state_dir: Path, extra_env: Mapping[str, str] | None = None) -> FleetPlan:
+        """The plan of ``replicas`` replicas, each on its own slice of ``device`` (``auto``: cuda when NVML sees a
+        GPU) as wide as the engine section's tensor-parallel size. The values come from whoever composes the
+        settings (appliance.composition.fleet): this package reads its own sections only."""
+        placements = plan_placements(replicas, detect_device(device), tensor_parallel_size=engine.tensor_parallel_size)
+        return cls(model, served_model_name, tuple(placements), state_dir, dict(extra_env or {}))
 
     def specs(self, engine: EngineSettings) -> list[ReplicaSpec]:
         """One spec per replica: its port, its device slice, its command line and its log file."""
@@ -69,12 +68,6 @@ class FleetPlan:
         return specs
 
 
-def build_specs(settings: Settings, model: Path, extra_env: Mapping[str, str] | None = None) -> list[ReplicaSpec]:
-    """One spec per replica of ``settings`` (``appliance config --engines`` prints them). ``extra_env`` is what
-    other parts need in every engine's environment; the composition root supplies it."""
-    return FleetPlan.of(settings, model, extra_env).specs(settings.engine)
-
-
 def connect_host(bind_host: str) -> str:
     """The address to reach an engine bound to ``bind_host``: loopback for a wildcard bind, else the address
     itself (an engine bound to 127.0.0.2 or a pod IP does not answer on 127.0.0.1)."""
@@ -94,14 +87,12 @@ class Supervisor:
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings, extra_env: Mapping[str, str] | None = None) -> Supervisor:
-        if settings.model is None:
-            raise ValueError("no model configured: set `model` (or run `appliance up` for the demo model)")
-        plan = FleetPlan.of(settings, settings.model, extra_env)
+    def from_plan(cls, plan: FleetPlan, engine: EngineSettings) -> Supervisor:
+        """The replicas of ``plan`` on the engine section's commands and crash backoff; ``stage`` can rebuild them."""
         return cls(
-            plan.specs(settings.engine),
-            backoff_initial=settings.engine.restart_backoff_initial_seconds,
-            backoff_max=settings.engine.restart_backoff_max_seconds,
+            plan.specs(engine),
+            backoff_initial=engine.restart_backoff_initial_seconds,
+            backoff_max=engine.restart_backoff_max_seconds,
             plan=plan,
         )
 

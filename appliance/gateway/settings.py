@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from appliance.monitoring.config import ttft_slo_seconds
 from appliance.secret_files import SECRET_PAIRS, resolve_secrets
 from appliance.setting_types import CommaList, blank_is_unset, split_commas
 
@@ -46,8 +45,10 @@ class GatewaySettings(BaseModel):
         "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
     )
     metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
+    # No default here: it is the monitoring config's TTFT threshold, which only the settings that compose this
+    # section with the monitoring one can find (appliance.settings resolves it when no source sets it).
     slo_ttft_p95_seconds: float = Field(
-        default_factory=ttft_slo_seconds, gt=0, description="Time-to-first-token SLO at P95, which admission "
+        gt=0, description="Time-to-first-token SLO at P95, which admission "
         "control aims at. Default: slos.ttft.threshold_seconds of alerts/config.yaml (0.8 as shipped), the SLO the "
         "alerts page on; set it here only to aim admission elsewhere than the pages."
     )
@@ -76,6 +77,11 @@ class GatewaySettings(BaseModel):
     trace_sample_ratio: float = Field(
         1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
         "(a caller's sampled traceparent keeps its trace id but does not force recording)."
+    )
+    request_records: int = Field(
+        1000, ge=0, description="How many of the last requests the gateway keeps a record of (tenant, admission "
+        "wait, the routing decision explained, retries, migrations, TTFT, end), in memory, for GET /admin/requests "
+        "and `appliance requests`; about 2 KB each. 0 keeps none (the view is off)."
     )
 
     @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")

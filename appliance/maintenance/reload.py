@@ -28,22 +28,23 @@ engine until its next start, then starts on the previous settings.
 The configuration is re-read from the same file and explicit overrides as at start, with the environment of the
 running process. Values the start command filled in itself (``appliance up``: the demo model, the generated
 admin token) are kept as long as the file still leaves them as it did at start.
+
+The configuration is the appliance's whole settings object, which composes maintenance's own section: this module
+names what it reads of it (``Configuration``) instead of importing it, and is given the function that reads it
+again (``load``) by the composition layer (appliance.composition.maintenance).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from appliance.engine.settings import EngineSettings
 from appliance.maintenance.controller import MaintenanceController
 from appliance.maintenance.errors import MaintenanceBusy, MaintenanceError
 from appliance.maintenance.rolling import Outcome
-from appliance.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,30 @@ class InvalidConfig(MaintenanceError):
     code = "invalid_config"
 
 
+class Configuration(Protocol):
+    """What a reload reads of the appliance's configuration (``appliance.settings.Settings`` is one)."""
+
+    @property
+    def engine(self) -> EngineSettings:
+        """The section a reload rolls onto the replicas."""
+        ...
+
+    def value_at(self, key: str) -> Any:
+        """The value of a top-level key or of a ``section.key``."""
+        ...
+
+    def replaced(self, values: Mapping[str, Any]) -> Self:
+        """A copy with each key (top-level or ``section.key``) set to its value."""
+        ...
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]:
+        """Every top-level key with its value, a section as a mapping of its keys (pydantic's dump)."""
+        ...
+
+
+C = TypeVar("C", bound=Configuration)
+
+
 @dataclass(frozen=True)
 class ReloadResult:
     changed: list[str]  # dotted keys (values are not echoed: extra_args may hold secrets)
@@ -76,7 +101,7 @@ class ReloadResult:
         return {"changed": self.changed, "rolling_restart": self.rolling_restart}
 
 
-def changed_keys(old: Settings, new: Settings) -> list[str]:
+def changed_keys(old: Configuration, new: Configuration) -> list[str]:
     """Dotted names of the settings that differ (one level into sections: ``engine.max_num_seqs``)."""
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
     keys: list[str] = []
@@ -92,12 +117,11 @@ def changed_keys(old: Settings, new: Settings) -> list[str]:
     return keys
 
 
-def dotted_keys(settings: Settings) -> list[str]:
+def dotted_keys(settings: Configuration) -> list[str]:
     """Every key, one level into sections (``engine.max_num_seqs``), as ``changed_keys`` names them."""
     keys: list[str] = []
-    for name in type(settings).model_fields:
-        value = getattr(settings, name)
-        keys += [f"{name}.{sub}" for sub in type(value).model_fields] if isinstance(value, BaseModel) else [name]
+    for name, value in settings.model_dump().items():
+        keys += [f"{name}.{sub}" for sub in value] if isinstance(value, dict) else [name]
     return keys
 
 
@@ -105,30 +129,33 @@ def rollable(key: str) -> bool:
     return key.startswith("engine.") and key not in NOT_ROLLABLE_ENGINE_KEYS
 
 
-class ConfigReloader:
-    def __init__(self, settings: Settings, controller: MaintenanceController,
+class ConfigReloader(Generic[C]):
+    def __init__(self, settings: C, controller: MaintenanceController,
                  stage: Callable[[EngineSettings], None] | None, unstage: Callable[[], None] | None = None,
-                 hot: Callable[[Settings], None] | None = None) -> None:
+                 hot: Callable[[C], None] | None = None, *, load: Callable[[], C] | None = None) -> None:
         """``stage``/``unstage``: the fleet's ``Reconfigurable`` methods; None when the appliance does not run its
         engines (a reload then is unavailable: it could not be undone). ``hot``: applies the ``HOT_KEYS`` of a new
         configuration to the running appliance (set by the composition root; None: they are refused like any
-        other key)."""
+        other key). ``load``: reads the configuration again from where ``settings`` came from, raising ValueError
+        (``appliance.settings.ConfigError``) when it does not validate; None: it was built in code, and a reload is
+        unavailable."""
         self.hot = hot
         self.current = settings
         self._controller = controller
         self._stage = stage
         self._unstage = unstage
-        self._start_fills = self._fills_at_start(settings)
+        self._load = load
+        self._start_fills = self._fills_at_start(settings, load)
 
     def reload(self) -> ReloadResult:
         """Validate and start the roll; raises ReloadUnavailable, InvalidConfig, ReloadRefused, MaintenanceBusy."""
-        source = self.current.source
-        if source is None or self._stage is None or self._unstage is None:
+        load = self._load
+        if load is None or self._stage is None or self._unstage is None:
             raise ReloadUnavailable("reload needs an appliance that runs its own engines and was started from a "
                                     "configuration (file and environment) it can read again")
         try:
-            new = self._with_start_fills(source.load())
-        except ConfigError as exc:
+            new = self._with_start_fills(load())
+        except ValueError as exc:
             raise InvalidConfig(f"the configuration does not validate, nothing changed: {exc}") from None
         changed = changed_keys(self.current, new)
         if not changed:
@@ -148,7 +175,7 @@ class ConfigReloader:
             return ReloadResult(changed, False)
         previous = self.current
         self._stage(new.engine)
-        self.current = previous.model_copy(update={"engine": new.engine})
+        self.current = previous.replaced({"engine": new.engine})
         reason = "reload: " + ", ".join(changed)
         log.info("maintenance: %s; rolling the replicas onto it", reason)
         try:
@@ -159,17 +186,17 @@ class ConfigReloader:
             raise
         return ReloadResult(changed, True)
 
-    def _apply_hot(self, new: Settings, keys: list[str]) -> None:
+    def _apply_hot(self, new: C, keys: list[str]) -> None:
         assert self.hot is not None
         self.hot(new)
         self.current = self.current.replaced({key: new.value_at(key) for key in HOT_KEYS})
         log.info("maintenance: reload applied %s at once", ", ".join(keys))
 
-    def _roll_ended(self, outcome: Outcome, previous: Settings) -> None:
+    def _roll_ended(self, outcome: Outcome, previous: C) -> None:
         if outcome.result != "ok":
             self._undo(previous, f"the rolling restart ended {outcome.result}: {outcome.detail}")
 
-    def _undo(self, previous: Settings, why: str) -> None:
+    def _undo(self, previous: C, why: str) -> None:
         """Unstage, and make the previous configuration the running one again."""
         assert self._unstage is not None
         self._unstage()
@@ -180,18 +207,18 @@ class ConfigReloader:
     # -- values the start command set itself ------------------------------------------------------------------
 
     @staticmethod
-    def _fills_at_start(settings: Settings) -> dict[str, tuple[Any, Any]]:
+    def _fills_at_start(settings: C, load: Callable[[], C] | None) -> dict[str, tuple[Any, Any]]:
         """Key (top-level, or one level into a section: ``gateway.admin_token``) -> (what the source gave at start,
         what the appliance runs with) where they differ."""
-        if settings.source is None:
+        if load is None:
             return {}
         try:
-            loaded = settings.source.load()
-        except ConfigError:
+            loaded = load()
+        except ValueError:
             return {}
         return {key: (loaded.value_at(key), settings.value_at(key)) for key in dotted_keys(settings)
                 if loaded.value_at(key) != settings.value_at(key)}
 
-    def _with_start_fills(self, new: Settings) -> Settings:
+    def _with_start_fills(self, new: C) -> C:
         keep = {key: running for key, (given, running) in self._start_fills.items() if new.value_at(key) == given}
         return new.replaced(keep) if keep else new

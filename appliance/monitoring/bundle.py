@@ -17,8 +17,7 @@ from appliance.files import atomic_write_text
 from appliance.monitoring.alertmanager import render_alertmanager_config
 from appliance.monitoring.config import load_config
 from appliance.monitoring.prometheus import RULE_FILES, render_prometheus_config
-from appliance.paths import REPO_ROOT
-from appliance.settings import ConfigError, Settings
+from appliance.monitoring.settings import MonitoringSettings
 
 
 @dataclass(frozen=True)
@@ -40,36 +39,21 @@ class Bundle:
         return self.root / "rules"
 
 
-def assets_dir(settings: Settings) -> Path:
-    """The folder holding alerts/ and dashboards/: configured, or the source tree this package runs from."""
-    root = settings.monitoring.assets_dir or REPO_ROOT
-    if not (root / "alerts" / "alertmanager.yml").is_file():
-        raise ConfigError(f"monitoring.assets_dir: {root} holds no alerts/alertmanager.yml "
-                          "(set APPLIANCE_MONITORING__ASSETS_DIR to the folder with alerts/ and dashboards/)")
-    return root
+@dataclass(frozen=True)
+class BundleTokens:
+    """The gateway's bearer tokens the bundle carries, chosen by whoever reads the gateway's settings
+    (appliance.composition.monitoring): this package reads its own section only."""
+
+    sd: str | None = None  # what Prometheus' HTTP SD sends to /sd/targets; None: /sd/targets is open
+    metrics: str | None = None  # what Prometheus sends when it scrapes /metrics; None: /metrics is open
+    alerts: str | None = None  # what Alertmanager's webhook sends to /admin/alerts; None: that receiver is dropped
 
 
-def sd_bearer_token(settings: Settings) -> str | None:
-    """The token Prometheus' HTTP SD sends to the gateway's /sd/targets: the read-only metrics token when set;
-    else, when API keys close /sd/targets, the admin token, or (no admin token) the first API key; None when
-    /sd/targets is open."""
-    if settings.gateway.metrics_token:
-        return settings.gateway.metrics_token
-    if not settings.all_api_keys:
-        return None
-    return settings.gateway.admin_token or settings.all_api_keys[0]
-
-
-def alerts_bearer_token(settings: Settings) -> str | None:
-    """The token Alertmanager's webhook sends to /admin/alerts: the alerts token, which opens that route only;
-    else the admin token; None: the appliance's receiver is dropped (the route would answer 403)."""
-    return settings.gateway.alerts_token or settings.gateway.admin_token
-
-
-def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: str | None, prometheus: str,
-                 env: Mapping[str, str] | None = None, shared: bool = False,
-                 owner: tuple[int, int] | None = None) -> Bundle:
-    """Render Prometheus' and Alertmanager's configuration and copy the rules into ``out``.
+def write_bundle(out: Path, assets: Path, monitoring: MonitoringSettings, tokens: BundleTokens, *, gateway: str,
+                 alertmanager: str | None, prometheus: str, env: Mapping[str, str] | None = None,
+                 shared: bool = False, owner: tuple[int, int] | None = None) -> Bundle:
+    """Render Prometheus' and Alertmanager's configuration and copy the rules into ``out``, from the templates and
+    rules in ``assets``/alerts.
 
     ``env`` fills the Alertmanager template's webhook URLs; the appliance's own webhook defaults to the gateway's
     /admin/alerts with the alerts token (else the admin token). ``shared``: files readable by other users (compose
@@ -79,25 +63,25 @@ def write_bundle(out: Path, settings: Settings, *, gateway: str, alertmanager: s
     file is handed to that user, the files holding a secret stay 0600: how compose's init container
     (root) gives them to the Prometheus and Alertmanager containers' user without making them world-readable.
     """
-    alerts = assets_dir(settings) / "alerts"
+    alerts = assets / "alerts"
     values = dict(os.environ if env is None else env)
     values.setdefault("APPLIANCE_ALERTS_WEBHOOK_URL", f"http://{gateway}/admin/alerts")
     for name in ("APPLIANCE_ADMIN_TOKEN", "APPLIANCE_ALERTS_TOKEN"):  # from the settings only: files included
         values.pop(name, None)
-    if (webhook_token := alerts_bearer_token(settings)) is not None:
-        values["APPLIANCE_ALERTS_TOKEN"] = webhook_token
+    if tokens.alerts is not None:
+        values["APPLIANCE_ALERTS_TOKEN"] = tokens.alerts
     bundle = Bundle(out)
     bundle.rules_dir.mkdir(parents=True, exist_ok=True)
     for name in RULE_FILES:
         text = (alerts / name).read_text()
-        if settings.monitoring.public_url:
-            text = with_public_url(text, alerts, settings.monitoring.public_url)
+        if monitoring.public_url:
+            text = with_public_url(text, alerts, monitoring.public_url)
         atomic_write_text(bundle.rules_dir / name, text, mode=0o644)
-    token = sd_bearer_token(settings)
+    token = tokens.sd
     atomic_write_text(bundle.prometheus_config, render_prometheus_config(
         gateway=gateway, alertmanager=alertmanager, prometheus=prometheus,
-        scrape_interval_seconds=settings.monitoring.scrape_interval_seconds, sd_bearer_token=token,
-        metrics_bearer_token=settings.gateway.metrics_token),
+        scrape_interval_seconds=monitoring.scrape_interval_seconds, sd_bearer_token=token,
+        metrics_bearer_token=tokens.metrics),
         mode=0o644 if shared or token is None else 0o600)
     alertmanager_text = render_alertmanager_config((alerts / "alertmanager.yml").read_text(), values)
     atomic_write_text(bundle.alertmanager_config, alertmanager_text, mode=0o644 if shared else 0o600)

@@ -11,17 +11,21 @@ import logging
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from appliance.engine.launch import set_parent_death_signal
-from appliance.monitoring.bundle import Bundle, write_bundle
+from appliance.monitoring.bundle import Bundle
 from appliance.monitoring.settings import MonitoringSettings
-from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Renders the bundle into a folder for Prometheus and Alertmanager at the given addresses (Alertmanager None: not
+# running). The composition layer binds what else it holds (the gateway's address and tokens, the assets folder).
+BundleWriter = Callable[[Path, str | None, str], Bundle]
 
 
 @dataclass
@@ -35,14 +39,16 @@ class Service:
 
 @dataclass
 class LocalMonitoring:
-    """Prometheus and Alertmanager next to the gateway, on 127.0.0.1."""
+    """Prometheus and Alertmanager next to the gateway, on 127.0.0.1, keeping their data under ``state_dir``."""
 
-    settings: Settings
+    monitoring: MonitoringSettings
+    state_dir: Path
+    write_bundle: BundleWriter
     services: list[Service] = field(default_factory=list)
 
     def plan(self) -> list[Service]:
         """The services whose binaries exist, with their command lines; renders the bundle they read."""
-        cfg, state = self.settings.monitoring, self.settings.state_dir.resolve()
+        cfg, state = self.monitoring, self.state_dir.resolve()
         prometheus = shutil.which(cfg.prometheus_binary)
         alertmanager = shutil.which(cfg.alertmanager_binary) or shutil.which("alertmanager")
         if prometheus is None:
@@ -51,8 +57,7 @@ class LocalMonitoring:
             return []
         am_address = f"127.0.0.1:{cfg.alertmanager_port}" if alertmanager else None
         prom_address = f"127.0.0.1:{cfg.prometheus_port}"
-        bundle = write_bundle(state / "monitoring", self.settings, gateway=_gateway_address(self.settings),
-                              alertmanager=am_address, prometheus=prom_address)
+        bundle = self.write_bundle(state / "monitoring", am_address, prom_address)
         services = [Service("prometheus", f"http://{prom_address}", prometheus_argv(prometheus, bundle, state, cfg),
                             state / "logs" / "prometheus.log")]
         if alertmanager:
@@ -99,11 +104,6 @@ def alertmanager_argv(binary: str, bundle: Bundle, state: Path, port: int) -> li
     # An empty cluster address turns off the gossip listener: one local Alertmanager has no peers.
     return [binary, f"--config.file={bundle.alertmanager_config}", f"--storage.path={state / 'alertmanager'}",
             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
-
-
-def _gateway_address(settings: Settings) -> str:
-    host = "127.0.0.1" if settings.gateway.host in ("0.0.0.0", "::", "") else settings.gateway.host
-    return f"{host}:{settings.gateway.port}"
 
 
 def _wait_ready(service: Service, timeout: float) -> bool:

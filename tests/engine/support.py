@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
-FAKE_ENGINE = str(Path(__file__).with_name("fake_engine.py"))
+FAKE_ENGINE = str(Path(__file__).parents[1] / "fake_engine.py")
 
 
 def free_port() -> int:

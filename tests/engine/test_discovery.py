@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
+from appliance.composition.fleet import build_dns_fleet
 from appliance.context import context_of
 from appliance.engine.contract import ReplicaState
 from appliance.engine.discovery import DnsFleet, resolve_with_nameserver, resolve_with_system
@@ -21,7 +22,7 @@ from appliance.engine.settings import DiscoverySettings
 from appliance.serve import build_fleet, node_pending
 from appliance.settings import ConfigError, Settings, load_settings
 from tests.engine.dns_server import TestDNSServer
-from tests.gateway.stub import StubUpstream
+from tests.fake_engine import FakeEngine
 
 NAME = "engines.appliance.test"
 
@@ -41,9 +42,9 @@ def dns_server():
 
 @pytest.fixture
 def engines():
-    """Two stub engines on the same port at two loopback addresses: two 'nodes'."""
+    """Two fake engines on the same port at two loopback addresses: two 'nodes'."""
     port = free_port()
-    stubs = [StubUpstream("127.0.0.2", port).start(), StubUpstream("127.0.0.3", port).start()]
+    stubs = [FakeEngine("127.0.0.2", port).start(), FakeEngine("127.0.0.3", port).start()]
     yield stubs
     for stub in stubs:
         stub.stop()
@@ -87,7 +88,7 @@ def test_fleet_follows_additions_and_removals(dns_server, engines):
         port = engines[0].port
         dns_server.set(NAME, ["127.0.0.2"])
         registry = CollectorRegistry()
-        fleet = DnsFleet.from_settings(gateway_settings(dns_server, port), registry)
+        fleet = build_dns_fleet(gateway_settings(dns_server, port), registry)
         await fleet.start()
         try:
             assert [r.name for r in fleet.replicas] == [f"127.0.0.2:{port}"]
@@ -144,7 +145,7 @@ def test_engines_per_node_are_consecutive_ports(dns_server):
     async def scenario() -> None:
         dns_server.set(NAME, ["127.0.0.2"])
         settings = gateway_settings(dns_server, 9100, engines_per_node=3)
-        fleet = DnsFleet.from_settings(settings)
+        fleet = build_dns_fleet(settings)
         await fleet.start()
         try:
             assert [r.url for r in fleet.replicas] == [f"http://127.0.0.2:{p}" for p in (9100, 9101, 9102)]
@@ -161,7 +162,7 @@ def test_gateway_routes_to_discovered_engines_and_lets_a_vanished_one_finish(dns
     app = create_app(settings, fleet=build_fleet(settings, CollectorRegistry()), registry=CollectorRegistry())
     with TestClient(app) as client:
         assert wait_for(lambda: client.get("/health/ready").json()["ready_replicas"] == 2)
-        engines[0].delay = 1.5
+        engines[0].first_token_delay = 1.5
         slow: dict = {}
         thread = threading.Thread(target=lambda: slow.update(
             r=client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})))

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.external import ExternalReplica
 from appliance.engine.health import Health, HealthFailures
+from tests.fake_engine import FakeEngine
 
 GRACE = 4.0
 
@@ -39,27 +37,6 @@ def test_the_count_is_the_failures_since_the_last_green_probe_not_excused_by_pro
         now[0] += 1.0
 
 
-@asynccontextmanager
-async def engine(health: dict[str, float]) -> AsyncIterator[str]:
-    """An engine whose /health answers ``health["status"]`` after ``health["delay"]`` seconds, counting the probes
-    it receives (``health["probes"]``)."""
-    async def answer(_request: web.Request) -> web.Response:
-        health["probes"] += 1
-        await asyncio.sleep(health["delay"])
-        return web.Response(status=int(health["status"]), text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
-
-
 @pytest.mark.parametrize(("status", "streaming", "routable"), [
     (200, True, True),  # late but streaming: busy, kept in routing
     (200, False, False),  # late and silent: hung, taken out
@@ -74,16 +51,15 @@ def test_a_ready_engine_is_taken_out_of_routing_only_for_failures_that_progress_
     monkeypatch.setattr(ExternalReplica, "HEALTH_INTERVAL_SECONDS", 0.02)
 
     async def scenario() -> bool:
-        health = {"delay": 0.0, "status": 200.0, "probes": 0.0}
-        async with engine(health) as url, aiohttp.ClientSession() as session:
-            replica = ExternalReplica(0, url, health_timeout_seconds=0.1)
+        async with FakeEngine() as engine, aiohttp.ClientSession() as session:
+            replica = ExternalReplica(0, engine.url, health_timeout_seconds=0.1)
             replica.start(session)
             try:
                 while not replica.routable:
                     await asyncio.sleep(0.01)
-                health.update(delay=0.3 if status == 200 else 0.0, status=float(status))
-                until = health["probes"] + 8
-                while health["probes"] < until:
+                engine.health_delay, engine.health_status = (0.3 if status == 200 else 0.0), status
+                until = engine.health_checks + 8
+                while engine.health_checks < until:
                     if streaming:
                         replica.status.last_progress = time.monotonic()
                     await asyncio.sleep(0.02)

@@ -1,4 +1,4 @@
-"""SupervisedReplica's life cycle against small stand-in processes (tests/engine/fake_engine.py): spawn failures
+"""SupervisedReplica's life cycle against small stand-in processes (tests/fake_engine.py): spawn failures
 are counted and retried, readiness needs the replica's own process on the port, stop always ends STOPPED."""
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
@@ -21,7 +19,8 @@ from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import Placement
 from appliance.engine.ports import tree_listens_on
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
-from tests.engine import fake_engine
+from tests import fake_engine
+from tests.fake_engine import FakeEngine
 
 FAKE = str(Path(fake_engine.__file__))
 
@@ -57,26 +56,6 @@ def run(scenario: Callable[[aiohttp.ClientSession], object]) -> None:
             await scenario(session)
 
     asyncio.run(main())
-
-
-class Squatter:
-    """Another process's HTTP server on the replica's port: answers 200 to everything and counts the probes."""
-
-    def __init__(self, port: int) -> None:
-        outer = self
-        self.probes = 0
-
-        class Counting(fake_engine.Health):
-            def do_GET(self) -> None:  # noqa: N802
-                outer.probes += 1
-                super().do_GET()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Counting)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_a_failed_spawn_is_counted_retried_with_backoff_and_recovers(tmp_path):
@@ -117,19 +96,19 @@ def test_a_log_that_cannot_be_written_is_a_counted_spawn_failure(tmp_path):
 
 def test_a_squatter_on_the_port_does_not_make_a_dead_replica_ready(tmp_path):
     port = free_port()
-    squatter = Squatter(port)
+    squatter = FakeEngine(port=port).start()  # another process's server on the replica's port: answers /health 200
     replica = SupervisedReplica(spec(tmp_path, engine(port, "--no-listen"), port))
 
     async def scenario(session):
         replica.start(session)
-        await until(lambda: squatter.probes >= 4)  # the squatter answered 200 to several health probes...
+        await until(lambda: squatter.health_checks >= 4)  # the squatter answered 200 to several health probes...
         assert replica.status.state is ReplicaState.STARTING  # ...and the replica is still not ready
         await replica.stop()
 
     try:
         run(scenario)
     finally:
-        squatter.close()
+        squatter.stop()
 
 
 def test_its_own_engine_on_the_port_makes_it_ready(tmp_path):
@@ -217,12 +196,13 @@ def test_a_staged_spec_is_used_from_the_next_start_on(tmp_path):
 
 
 def test_supervisor_stage_rebuilds_every_command_from_the_settings(tmp_path):
-    from appliance.engine.supervisor import Supervisor, build_specs
+    from appliance.composition.fleet import build_specs, build_supervisor
+    from appliance.engine.supervisor import Supervisor
     from appliance.settings import Settings
 
     (tmp_path / "config.json").write_text("{}")  # a checkpoint: settings read its max_model_len
     settings = Settings(model=tmp_path, replicas=2, device="cpu", state_dir=tmp_path)
-    supervisor = Supervisor.from_settings(settings, {"APPLIANCE_ENGINE_STATS_DIR": str(tmp_path)})
+    supervisor = build_supervisor(settings, {"APPLIANCE_ENGINE_STATS_DIR": str(tmp_path)})
     supervisor.stage(settings.engine.model_copy(update={"max_num_seqs": 7}))
     for replica in supervisor.replicas:
         command = replica.staged_spec.command

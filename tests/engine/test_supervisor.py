@@ -9,10 +9,11 @@ from pathlib import Path
 
 import psutil
 
+from appliance.composition.fleet import build_specs, build_supervisor
 from appliance.engine.contract import ReplicaState
 from appliance.engine.placement import Placement
 from appliance.engine.replica import ReplicaSpec
-from appliance.engine.supervisor import Supervisor, build_specs
+from appliance.engine.supervisor import Supervisor
 from appliance.settings import Settings
 from tests.engine.support import FAKE_ENGINE, free_port
 
@@ -64,4 +65,4 @@ def test_a_missing_model_is_a_clear_error() -> None:
     import pytest
 
     with pytest.raises(ValueError, match="no model configured"):
-        Supervisor.from_settings(Settings())
+        build_supervisor(Settings())

@@ -379,7 +379,7 @@ def test_a_skip_for_capacity_still_uses_up_the_window():
 
 
 def test_a_node_names_its_engines_by_its_address_or_lets_the_gateway_see_it():
-    from appliance.maintenance.service import restart_coordinator
+    from appliance.composition.maintenance import restart_coordinator
     from appliance.settings import Settings
 
     def coordinator(**overrides):

@@ -1,6 +1,6 @@
 """Maintenance on a node pod (role node): traffic as its engines count it, readiness that drops a hung engine,
-and no automatic restarts without a fleet-wide coordinator. Engines here are stubs of vLLM's /metrics page
-(tests/maintenance/support.py); the real thing runs in tests/integration/test_multihost_maintenance.py."""
+and no automatic restarts without a fleet-wide coordinator. Engines here are fake engines whose /metrics counters the
+tests set (tests/fake_engine.py); the real thing runs in tests/integration/test_multihost_maintenance.py."""
 
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ from appliance.context import context_of
 from appliance.exit_codes import EXIT_USAGE
 from appliance.maintenance.engine_traffic import EngineCounts, EngineTraffic, parse_counts
 from appliance.settings import ConfigError, Settings, load_settings
-from tests.maintenance.support import EngineMetricsStub, fleet, judge_hung
+from tests.fake_engine import FakeEngine
+from tests.maintenance.support import fleet, judge_hung
 
 NODE = {"role": "node", "admin_token": "t0ken", "collectors": {"enabled": False}}
 
 
 @pytest.fixture
 def engine():
-    stub = EngineMetricsStub()
-    yield stub
-    stub.stop()
+    fake = FakeEngine().start()
+    yield fake
+    fake.stop()
 
 
 def node_app(replicas, **maintenance) -> TestClient:

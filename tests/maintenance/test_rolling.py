@@ -101,7 +101,7 @@ def test_http_warmer_sends_one_small_completion(stubs):
     replicas = fleet([stubs[0].url])
     warm = http_warmer("demo", "Hello", 4)
     assert asyncio.run(warm(replicas[0]))
-    assert stubs[0].received[-1]["body"] == {"model": "demo", "prompt": "Hello", "max_tokens": 4}
+    assert stubs[0].received[-1].body == {"model": "demo", "prompt": "Hello", "max_tokens": 4}
     stubs[0].fail_status = 500
     assert not asyncio.run(warm(replicas[0]))
 

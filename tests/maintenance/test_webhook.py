@@ -6,8 +6,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from appliance.composition.maintenance import build_maintenance
 from appliance.maintenance.memory import MemoryReading, MemoryWatch
-from appliance.maintenance.service import DataPathView, build_maintenance
+from appliance.maintenance.service import DataPathView
 from appliance.maintenance.webhook import AlertmanagerPayload, Decision
 from appliance.settings import Settings
 from tests.maintenance.support import AUTH, actions, alert, fleet, judge_hung, payload, wait_idle

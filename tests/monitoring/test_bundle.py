@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from appliance.monitoring.bundle import assets_dir, write_bundle
+from appliance.composition.monitoring import assets_dir, write_bundle
 from appliance.settings import ConfigError, Settings
 
 

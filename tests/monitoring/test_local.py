@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from appliance.monitoring.local import LocalMonitoring
+from appliance.composition.monitoring import local_monitoring
 from appliance.settings import Settings
 from tests.integration.harness import free_port_range
 from tests.tools import require_tool
@@ -27,14 +27,14 @@ def _alertmanagers(prometheus: str) -> list[str]:
 def test_without_prometheus_it_plans_nothing_and_says_why(tmp_path, caplog) -> None:
     settings = _settings(tmp_path, prometheus_binary="no-such-prometheus")
     with caplog.at_level(logging.WARNING):
-        assert LocalMonitoring(settings).plan() == []
+        assert local_monitoring(settings).plan() == []
     assert "apt-get install prometheus" in caplog.text
 
 
 def test_real_prometheus_and_alertmanager_start_load_the_rules_and_stop(tmp_path) -> None:
     require_tool("prometheus", "prometheus")
     require_tool("prometheus-alertmanager", "prometheus-alertmanager")
-    monitoring = LocalMonitoring(_settings(tmp_path))
+    monitoring = local_monitoring(_settings(tmp_path))
     try:
         ready = monitoring.start(ready_timeout=30)
         assert [s.name for s in ready] == ["prometheus", "alertmanager"]

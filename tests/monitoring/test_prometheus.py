@@ -6,7 +6,7 @@ import subprocess
 
 import yaml
 
-from appliance.monitoring.bundle import write_bundle
+from appliance.composition.monitoring import write_bundle
 from appliance.monitoring.prometheus import prometheus_config
 from appliance.settings import Settings
 from tests.tools import require_tool

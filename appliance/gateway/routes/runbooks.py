@@ -20,7 +20,6 @@ from fastapi.responses import PlainTextResponse, Response
 
 from appliance.context import Context
 from appliance.paths import REPO_ROOT, RUNBOOKS_DIR
-from appliance.settings import Settings
 
 router = APIRouter(prefix="/runbooks", tags=["runbooks"])
 
@@ -37,11 +36,12 @@ def runbook_path(name: str, directory: Path = RUNBOOKS_DIR) -> Path | None:
     return books.get(stem)
 
 
-def runbooks_dir(settings: Settings) -> Path:
-    """Where the runbooks of this installation are: beside its alerts and dashboards."""
-    if settings.monitoring.assets_dir is None:
+def runbooks_dir(assets_dir: Path | None) -> Path:
+    """Where the runbooks of this installation are: beside its alerts and dashboards (``monitoring.assets_dir``;
+    None: the source tree's)."""
+    if assets_dir is None:
         return RUNBOOKS_DIR
-    return settings.monitoring.assets_dir / RUNBOOKS_DIR.relative_to(REPO_ROOT)
+    return assets_dir / RUNBOOKS_DIR.relative_to(REPO_ROOT)
 
 
 def _markdown(path: Path | None) -> Response:
@@ -53,9 +53,9 @@ def _markdown(path: Path | None) -> Response:
 @router.get("/", include_in_schema=False)
 async def index(ctx: Context) -> Response:
     """The runbook index (docs/runbooks/README.md)."""
-    return _markdown(runbook_path("README", runbooks_dir(ctx.live.settings)))
+    return _markdown(runbook_path("README", runbooks_dir(ctx.live.settings.monitoring.assets_dir)))
 
 
 @router.get("/{alertname}")
 async def runbook(alertname: str, ctx: Context) -> Response:
-    return _markdown(runbook_path(alertname, runbooks_dir(ctx.live.settings)))
+    return _markdown(runbook_path(alertname, runbooks_dir(ctx.live.settings.monitoring.assets_dir)))

@@ -1,5 +1,5 @@
 """Appliance / Tenants: who is using the appliance, is any team held at its quota, and does fair share keep
-every team within the TTFT SLO while one floods (issue 23; docs/tenants.md)?
+every team within the TTFT SLO while one floods (docs/tenants.md)?
 
 Every tenant series is the gateway's (``appliance_tenant_*``), labelled by the configured tenant names only, and
 each gateway reports its own (several pods on Kubernetes): panels sum by tenant. The ``tenant`` variable
