@@ -1,13 +1,13 @@
 """Time to first token under many concurrent streams (issue 25): a fast stub engine answered direct, through the
 appliance's gateway, and through the peer router (vllm-router, when installed), in alternating rounds of one run.
 
-The stub is an OpenAI-compatible aiohttp server in its own process, shaped like vLLM: /v1/models, /health, a
-minimal /metrics page (the gateway's load poll reads it), and streamed /v1/completions and /v1/chat/completions
-with vLLM's chunks: ``--tokens`` tokens ``--itl-ms`` apart (the first after ``--prefill-ms``), token ids when asked
-(``return_token_ids``: the gateway asks, to be able to migrate a stream), a final usage chunk when
-``stream_options.include_usage`` (the gateway asks for tenant accounting), then ``data: [DONE]``. The load
-generator (in this process) keeps ``--concurrency`` streams open, each sending its next request as soon as its
-last one ended; TTFT is the time from sending a request to its first chunk with content.
+The stub is the tests' fake vLLM engine (tests/fake_engine.py) in its own process, on uvloop: vLLM's /v1/models,
+/health and /metrics (the gateway's load poll reads it), and streamed /v1/completions and /v1/chat/completions
+written byte for byte as vLLM writes them: ``--tokens`` tokens ``--itl-ms`` apart (the first after
+``--prefill-ms``), token ids when asked (``return_token_ids``: the gateway asks, to be able to migrate a stream), a
+final usage chunk when ``stream_options.include_usage`` (the gateway asks for tenant accounting), then
+``data: [DONE]``. The load generator (in this process) keeps ``--concurrency`` streams open, each sending its next
+request as soon as its last one ended; TTFT is the time from sending a request to its first chunk with content.
 
 Prints per path: TTFT p50/p99, the p50 added against direct, events/s received by the clients, and the proxy's CPU
 per 1,000 events (psutil on the proxy's process; the Rust router's threads included), then the ratio of the
@@ -45,7 +45,6 @@ from typing import Any
 
 import aiohttp
 import psutil
-from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,118 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
 
 MODEL = "demo"
-METRICS_PAGE = (
-    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-    "# TYPE vllm:num_requests_running gauge\n"
-    'vllm:num_requests_running{{engine="0",model_name="demo"}} {running}\n'
-    "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-    "# TYPE vllm:num_requests_waiting gauge\n"
-    'vllm:num_requests_waiting{{engine="0",model_name="demo"}} 0.0\n'
-    "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
-    "# TYPE vllm:kv_cache_usage_perc gauge\n"
-    'vllm:kv_cache_usage_perc{{engine="0",model_name="demo"}} {kv}\n'
-    "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
-    "# TYPE vllm:generation_tokens_total counter\n"
-    'vllm:generation_tokens_total{{engine="0",model_name="demo"}} {generated}\n'
-    'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="8192"}} 1.0\n'
-)
-
-
-# -- the stub engine (its own process: `stream_overhead.py --stub-port PORT`) --------------------------------------
-
-
-class StubEngine:
-    """vLLM's streaming shapes, as fast as the event loop allows: one write per event, like vLLM."""
-
-    def __init__(self, tokens: int, itl: float, prefill: float) -> None:
-        self.tokens, self.itl, self.prefill = tokens, itl, prefill
-        self.running = 0
-        self.generated = 0
-        self.ids = 0
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/health", lambda _r: web.Response())
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.completions)
-        return app
-
-    async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 0, "owned_by": "vllm", "root": MODEL, "max_model_len": 4096}]})
-
-    async def metrics(self, _request: web.Request) -> web.Response:
-        page = METRICS_PAGE.format(running=float(self.running), kv=min(1.0, self.running / 512),
-                                   generated=float(self.generated))
-        return web.Response(text=page, content_type="text/plain")
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        chat = request.path.endswith("/chat/completions")
-        tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.tokens)
-        self.ids += 1
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{self.ids:016x}",
-                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-                "model": body.get("model") or MODEL}
-        prompt_ids = list(range(1, 17))
-        with_ids = bool(body.get("return_token_ids"))
-        if not body.get("stream"):
-            await asyncio.sleep(self.prefill + self.itl * tokens)
-            self.generated += tokens
-            text = "".join(f" w{i}" for i in range(tokens))
-            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                       "finish_reason": "length"} if chat else
-                                      {"index": 0, "text": text, "finish_reason": "length"})
-            return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
-                                      "choices": [choice], "usage": usage(len(prompt_ids), tokens)})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        response = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
-        await response.prepare(request)
-        self.running += 1
-        try:
-            await asyncio.sleep(self.prefill)
-            if chat:  # vLLM's first chat chunk: the role, no content
-                first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                              "logprobs": None, "finish_reason": None}]}
-                if with_ids:
-                    first["prompt_token_ids"] = prompt_ids
-                await response.write(event(first))
-            for i in range(tokens):
-                last = i == tokens - 1
-                choice = ({"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"})
-                choice.update(logprobs=None, finish_reason="length" if last else None)
-                if last or not chat:
-                    choice["stop_reason"] = None
-                if with_ids:
-                    if i == 0 and not chat:
-                        choice["prompt_token_ids"] = prompt_ids
-                    choice["token_ids"] = [100 + i]
-                await response.write(event({**head, "choices": [choice]}))
-                self.generated += 1
-                if self.itl and not last:
-                    await asyncio.sleep(self.itl)
-            if include_usage:
-                await response.write(event({**head, "choices": [], "usage": usage(len(prompt_ids), tokens)}))
-            await response.write(b"data: [DONE]\n\n")
-        finally:
-            self.running -= 1
-        return response
-
-
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
-
-
-def event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def run_stub(port: int, tokens: int, itl: float, prefill: float) -> None:
-    _use_uvloop()
-    web.run_app(StubEngine(tokens, itl, prefill).app(), host="127.0.0.1", port=port, print=None,
-                access_log=None, backlog=1024)
+FAKE_ENGINE = ROOT / "tests" / "fake_engine.py"
 
 
 # -- the load generator ----------------------------------------------------------------------------------------
@@ -316,11 +204,7 @@ def main() -> None:
     parser.add_argument("--compare-tree", metavar="DIR",
                         help="also measure the gateway of another source tree (e.g. a `git worktree` of the "
                              "commit before a change), as path gateway-other, in the same alternating rounds")
-    parser.add_argument("--stub-port", type=int, help=argparse.SUPPRESS)  # run as the stub engine
     args = parser.parse_args()
-    if args.stub_port:
-        run_stub(args.stub_port, args.tokens, args.itl_ms / 1000, args.prefill_ms / 1000)
-        return
 
     _use_uvloop()
     wanted = args.paths.split(",")
@@ -330,8 +214,9 @@ def main() -> None:
     paths = {"direct": f"http://127.0.0.1:{stub_port}"}
     procs: dict[str, subprocess.Popen] = {}
     try:
-        procs["stub"] = start([sys.executable, __file__, "--stub-port", str(stub_port), "--tokens", str(args.tokens),
-                               "--itl-ms", str(args.itl_ms), "--prefill-ms", str(args.prefill_ms)], {},
+        procs["stub"] = start([sys.executable, str(FAKE_ENGINE), str(stub_port), "--served-model-name", MODEL,
+                               "--model", "counting", "--tokens", str(args.tokens), "--itl-ms", str(args.itl_ms),
+                               "--prefill-ms", str(args.prefill_ms), "--backlog", "1024", "--uvloop"], {},
                               logs / "stub.log", load_cores)
         wait_ok(f"{paths['direct']}/health", procs["stub"], timeout=120, interval=0.5)
         gateways = {"gateway": ROOT} if "gateway" in wanted else {}

@@ -50,11 +50,12 @@ def _no_host_probe_in_unit_tests(request: pytest.FixtureRequest, monkeypatch: py
 
 @pytest.fixture
 def stubs():
-    """Two stub upstreams speaking vLLM's OpenAI API, for the gateway's and maintenance's unit tests (never what a
-    test claims to verify about serving: that is tests/integration, on real engines)."""
-    from tests.gateway.stub import StubUpstream
+    """Two fake vLLM engines (tests/fake_engine.py) for the gateway's and maintenance's unit tests (never what a test
+    claims to verify about serving: that is tests/integration, on real engines). Every answer is three tokens, "0",
+    "1" and "2" when streamed, "hello" when whole, so a test can tell what it was relayed."""
+    from tests.fake_engine import CountingModel, FakeEngine
 
-    upstreams = [StubUpstream().start(), StubUpstream().start()]
-    yield upstreams
-    for upstream in upstreams:
-        upstream.stop()
+    engines = [FakeEngine(model=CountingModel(prefix="", whole_text="hello"), tokens=3).start() for _ in range(2)]
+    yield engines
+    for engine in engines:
+        engine.stop()

@@ -1,5 +1,6 @@
-"""Replica test doubles, built on ``appliance.engine.contract.Replica``: one for every test that needs a replica
-without an engine (routing, admission, maintenance, collectors)."""
+"""Test doubles: replicas built on ``appliance.engine.contract.Replica``, one for every test that needs a replica
+without an engine (routing, admission, maintenance, collectors), and the one fake clock. (An engine to talk to is
+tests/fake_engine.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ from dataclasses import dataclass, field
 
 from appliance.engine.contract import NotRestartable, ReplicaState, ReplicaStatus
 from appliance.engine.placement import Placement
+
+
+class FakeClock:
+    """A clock that stands still until the test moves it, for code that takes ``clock: Callable[[], float]``
+    (monotonic seconds): read it by calling it; ``advance`` it, or set ``now``."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @dataclass

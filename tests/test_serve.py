@@ -37,7 +37,7 @@ def test_queued_requests_count_as_pending_for_the_drain():
 
 def test_streams_cut_by_the_drain_timeout_end_with_an_error_event(stubs):
     for stub in stubs:
-        stub.stall = 6.0  # the stream stays open long past the drain timeout
+        stub.stall_seconds = 6.0  # the stream stays open long past the drain timeout
     fleet = [FakeReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
     app = create_app(Settings(served_model_name="demo"), replicas=lambda: fleet, registry=CollectorRegistry())
     live = LiveGateway(app, lambda config: DrainingServer(config, app, drain_timeout=0.5),

@@ -17,18 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.doubles import FakeReplica, cpu_replica, gpu_replica  # noqa: F401 - the collectors' doubles
-
-
-class FakeClock:
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.doubles import FakeClock, FakeReplica, cpu_replica, gpu_replica  # noqa: F401 - the collectors' doubles
 
 
 def scrape(registry: CollectorRegistry) -> dict[str, Metric]:

@@ -33,7 +33,7 @@ def gateway(stubs):
 
 def test_client_leaving_while_the_engine_generates_aborts_it(gateway, stubs):
     for stub in stubs:
-        stub.delay = 20.0  # far longer than the test waits: only an abort ends it in time
+        stub.first_token_delay = 20.0  # far longer than the test waits: only an abort ends it in time
     live, registry = gateway()
     with live:
         live.post_and_hang_up("/v1/completions", BODY, after_seconds=0.3)
@@ -45,7 +45,7 @@ def test_client_leaving_while_the_engine_generates_aborts_it(gateway, stubs):
 
 
 def test_request_abandoned_in_the_queue_is_never_dispatched(gateway, stubs):
-    stubs[0].delay = 1.5
+    stubs[0].first_token_delay = 1.5
     live, registry = gateway(replicas=1, admission={"max_limit": 1, "queue_timeout_seconds": 30})
     with live:
         import threading

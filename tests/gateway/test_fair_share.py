@@ -20,26 +20,18 @@ from appliance.gateway.router import Outcome, Router
 from appliance.gateway.slots import Lease
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.fair_share import VirtualClock, fair_allocation, share_bound
-from tests.doubles import FakeReplica
+from tests.doubles import FakeClock, FakeReplica
 
 A, B, C = Tenant("a"), Tenant("b"), Tenant("c")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(limit: int = 1, *, replicas: int = 1, max_queue: int = 64, fair_share: bool = True,
-         window: float = 0.0, clock: Clock | None = None) -> Admission:
+         window: float = 0.0, clock: FakeClock | None = None) -> Admission:
     fleet = [FakeReplica(f"replica-{i}", f"http://r{i}") for i in range(replicas)]
     limits = ConcurrencyLimits(lambda: AIMDLimit(limit, 1, limit, target_seconds=1.0))
     return Admission(Router(lambda: fleet, limit_for=limits.limit_of), limits, max_queue=max_queue,
                      queue_timeout_seconds=60, fair_share=fair_share, share_window_seconds=window,
-                     clock=clock or Clock())
+                     clock=clock or FakeClock())
 
 
 async def settle() -> None:
@@ -243,7 +235,7 @@ def test_alone_a_tenant_gets_all_capacity_and_shares_it_when_another_waits():
 
 def test_a_tenant_between_requests_keeps_its_room_for_the_window_and_no_newcomer_jumps_into_it():
     async def scenario():
-        clock = Clock()
+        clock = FakeClock()
         admission = make(limit=4, window=2.0, clock=clock)
         victim = [await admission.acquire(tenant=B) for _ in range(2)]
         flood = [asyncio.create_task(admission.acquire(tenant=A)) for _ in range(8)]
@@ -321,7 +313,7 @@ STARVATION = 40  # the worst seen over these seeds is 24: a waiter is passed whi
 
 
 async def storm(rng: random.Random, case: int, fair: bool) -> None:
-    clock = Clock()
+    clock = FakeClock()
     limit, max_queue = rng.randint(1, 4), rng.randint(1, 12)
     admission = make(limit=limit, replicas=rng.randint(1, 2), max_queue=max_queue, fair_share=fair,
                      window=rng.choice([0.0, 1.0]), clock=clock)

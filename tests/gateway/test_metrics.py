@@ -17,7 +17,7 @@ def value(samples, name, **labels) -> float:
 
 def test_stream_latency_and_counts_are_recorded(client, stubs):
     for stub in stubs:
-        stub.delay = 0.02  # separate chunks in time, so there are inter-token gaps to measure
+        stub.first_token_delay = stub.token_delay = 0.02  # separate chunks in time: inter-token gaps to measure
     with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
         list(response.iter_lines())
     client.post("/v1/completions", json={"prompt": "hi"})

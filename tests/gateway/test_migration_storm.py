@@ -29,8 +29,8 @@ from appliance.context import context_of
 from appliance.gateway.core import Gateway
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.fake_engine import Failure, FakeEngine, detok, greedy, tokenize
 from tests.gateway.live import DrainWatch, LiveGateway, wait_until
-from tests.gateway.migration_engine import Failure, TokenEngine, detok, greedy, tokenize
 
 CASES = 40
 SEED = 20261205
@@ -43,7 +43,7 @@ class Storm:
     live: LiveGateway
     app: object
     watch: DrainWatch
-    engines: list[TokenEngine]
+    engines: list[FakeEngine]
     failures: list[Failure]
     registry: CollectorRegistry
     whole: list[int] = field(default_factory=list)  # per case: clients that read a whole stream
@@ -65,7 +65,7 @@ class Storm:
 @pytest.fixture(scope="module")
 def storm():
     failures: list[Failure] = []
-    engines = [TokenEngine(failures=failures).start() for _ in range(2)]
+    engines = [FakeEngine(failures=failures).start() for _ in range(2)]
     fleet = [FakeReplica(f"replica-{i}", e.url) for i, e in enumerate(engines)]
     registry = CollectorRegistry()
     settings = Settings(served_model_name="demo", request_timeout_seconds=10, upstream_idle_timeout_seconds=1,
@@ -134,13 +134,13 @@ async def client(port: int, action: str, max_tokens: int, rng: random.Random, st
 
 def configure(storm: Storm, rng: random.Random) -> str:
     for engine in storm.engines:
-        engine.delay = rng.choice([0.0, 0.002, 0.01])
+        engine.token_delay = rng.choice([0.0, 0.002, 0.01])
     storm.failures[:] = [Failure(after=rng.randint(0, 20), how=rng.choice(["reset", "eof", "error"]))
                          for _ in range(rng.randint(0, 6))]
     ejected = rng.choice([None, None, "replica-0", "replica-1"])  # continuations then wait for the other one
     if ejected is not None:
         storm.gateway.router.eject(ejected, "drawn by the storm")
-    return f"delays {[e.delay for e in storm.engines]}, failures {storm.failures}, ejected {ejected}"
+    return f"delays {[e.token_delay for e in storm.engines]}, failures {storm.failures}, ejected {ejected}"
 
 
 async def crowd(clients: list) -> None:

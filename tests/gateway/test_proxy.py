@@ -1,4 +1,5 @@
-"""The gateway's own logic against stub upstreams: pass-through, streaming relay, retry rule, routing."""
+"""The gateway's own logic against fake engines (tests/fake_engine.py): pass-through, streaming relay, retry rule,
+routing."""
 
 import json
 import threading
@@ -10,6 +11,7 @@ from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.router import Outcome
 from appliance.settings import Settings
+from tests.fake_engine import Failure
 
 
 def test_body_passes_through_byte_for_byte(client, stubs):
@@ -18,7 +20,7 @@ def test_body_passes_through_byte_for_byte(client, stubs):
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"] == "hello"
     received = [r for stub in stubs for r in stub.received]
-    assert [r["raw"] for r in received] == [raw]
+    assert [r.raw for r in received] == [raw]
 
 
 def test_stream_is_relayed_chunk_by_chunk(client):
@@ -40,7 +42,7 @@ def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs)
     response = client.post("/v1/completions", json={"prompt": "hi"},
                            headers={"authorization": "Bearer secret", "traceparent": traceparent})
     assert response.status_code == 200
-    headers = [h for stub in stubs for h in stub.headers][0]
+    headers = [r.headers for stub in stubs for r in stub.received][0]
     # Same trace, and the engine's parent is the gateway's upstream span, not the client's.
     assert headers["traceparent"].split("-")[1] == traceparent.split("-")[1]
     assert headers["traceparent"].split("-")[2] != traceparent.split("-")[2]
@@ -49,7 +51,7 @@ def test_trace_context_is_forwarded_and_authorization_is_not(make_client, stubs)
 
 def test_upstream_errors_pass_through_with_their_status(client, stubs):
     for stub in stubs:
-        stub.fail_status = 400
+        stub.fail_status, stub.fail_message = 400, "stub failure"
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "stub failure"
@@ -102,7 +104,7 @@ def test_timed_out_request_is_not_sent_to_another_replica(make_client, stubs):
     again would double the work and charge two replicas for one slow answer."""
     client = make_client(request_timeout_seconds=0.5)
     for stub in stubs:
-        stub.delay = 3.0
+        stub.first_token_delay = 3.0
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "upstream_timeout"
@@ -114,7 +116,7 @@ def test_requests_that_outlive_the_request_timeout_do_not_eject_replicas(make_cl
     replicas and put routing into panic mode. The whole-request timeout measures the request, not the replica."""
     client = make_client(request_timeout_seconds=0.3, routing={"eject_consecutive_failures": 3})
     for stub in stubs:
-        stub.delay = 2.0
+        stub.first_token_delay = 2.0
     codes = [client.post("/v1/completions", json={"prompt": "hi"}).status_code for _ in range(6)]
     assert codes == [504] * 6
     router = context_of(client.app).gateway.router
@@ -128,7 +130,8 @@ def test_stalled_stream_is_cut_after_the_idle_timeout_with_an_error_event(make_c
     request_timeout_seconds, and the client learns why from an error event."""
     client = make_client(upstream_idle_timeout_seconds=0.5)
     for stub in stubs:
-        stub.stall = 8.0
+        stub.stall_seconds = 8.0  # silent after the first token
+        stub.token_ids = False  # and without token ids: the stream cannot be continued elsewhere
     with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert len(events) == 2 and json.loads(events[0][6:])["choices"][0]["text"] == "0"
@@ -170,7 +173,7 @@ def test_a_connection_dropped_unanswered_is_tried_again_on_the_same_replica(make
     the replica's fault: tried once more there, even when no other replica could take the request. A CI run saw a
     request get 502 that way while the only other replica restarted."""
     replicas[1].routable = False  # the other replica is restarting
-    stubs[0].reset_next = 1
+    stubs[0].failures.append(Failure(after=0, how="refuse"))
     client = make_client()
     response = client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
     assert response.status_code == 200, response.text
@@ -181,7 +184,7 @@ def test_a_connection_dropped_unanswered_is_tried_again_on_the_same_replica(make
 def test_a_replica_that_keeps_dropping_connections_gets_one_more_try_only(make_client, stubs, replicas):
     """The one more try is per replica and request: a replica that drops every connection still fails it."""
     replicas[1].routable = False
-    stubs[0].reset_next = 10
+    stubs[0].failures.extend(Failure(after=0, how="refuse") for _ in range(10))
     client = make_client()
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 502, response.text

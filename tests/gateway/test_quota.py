@@ -13,14 +13,7 @@ from prometheus_client import CollectorRegistry
 from appliance.context import context_of
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.quota import REQUESTS, TOKENS, Quotas, TokenBucket, estimate_prompt_tokens
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.doubles import FakeClock
 
 
 def test_a_bucket_starts_full_refills_continuously_and_never_above_capacity():

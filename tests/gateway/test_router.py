@@ -3,20 +3,12 @@
 from appliance.engine.load import EngineLoad
 from appliance.gateway.router import Outcome, Router
 from appliance.gateway.settings import RoutingSettings
-from tests.doubles import FakeReplica
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.doubles import FakeClock, FakeReplica
 
 
 def make(n: int = 2, **routing):
     replicas = [FakeReplica(f"replica-{i}", f"http://r{i}") for i in range(n)]
-    clock = Clock()
+    clock = FakeClock()
     router = Router(lambda: replicas, RoutingSettings(**routing), clock=clock)
     return router, replicas, clock
 

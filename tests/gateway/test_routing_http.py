@@ -1,4 +1,4 @@
-"""The prompt travels from the parsed request to the router (stub upstreams: the gateway's own logic only)."""
+"""The prompt travels from the parsed request to the router (fake engines: the gateway's own logic only)."""
 
 from fastapi.testclient import TestClient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,7 +29,9 @@ def test_a_follow_up_turn_matches_the_prefix_its_conversation_left(client):
     assert values[("appliance_routing_duration_seconds_count", ())] == 3
 
 
-def test_the_request_span_carries_the_routing_decision(replicas):
+def test_the_request_span_carries_the_routing_decision(replicas, stubs):
+    for stub in stubs:  # engines that have not sized their KV cache yet: the cache-room scorer has no opinion
+        stub.num_gpu_blocks = None
     exporter = InMemorySpanExporter()
     app = create_app(Settings(), replicas=lambda: replicas, span_exporter=exporter)
     with TestClient(app) as client:

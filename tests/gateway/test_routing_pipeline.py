@@ -13,20 +13,12 @@ from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.settings import RoutingSettings
 from appliance.settings import ConfigError, load_settings
-from tests.doubles import FakeReplica
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.doubles import FakeClock, FakeReplica
 
 
 def fleet(n: int = 2, registry: CollectorRegistry | None = None, **routing):
     replicas = [FakeReplica(f"replica-{i}") for i in range(n)]
-    clock = Clock()
+    clock = FakeClock()
     router = Router(lambda: replicas, RoutingSettings(**routing), clock=clock, registry=registry)
     return router, replicas, clock
 

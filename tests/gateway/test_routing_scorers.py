@@ -15,20 +15,12 @@ from appliance.gateway.routing.scorers import (
     QueueScorer,
 )
 from appliance.gateway.settings import PrefixScorerSettings, RoutingSettings
-from tests.doubles import FakeReplica
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.doubles import FakeClock, FakeReplica
 
 
 def fleet(n: int = 3, **routing):
     replicas = [FakeReplica(f"replica-{i}") for i in range(n)]
-    clock = Clock()
+    clock = FakeClock()
     return Router(lambda: replicas, RoutingSettings(**routing), clock=clock), replicas, clock
 
 

@@ -4,15 +4,15 @@ Issue 20: bursts of streaming clients that all hung up at once wedged the gatewa
 stayed at the replica's limit while the engine was idle). Each disconnect path passed when tested alone; the leak
 was a race between them (a client that left as its upstream answered: the stream response was built and dropped
 unserved). So these tests generate interleavings instead of examples: a seeded generator draws, per case, the
-stub engines' behaviour (speed, stream length, a replica answering 503 so requests retry, one ejected) and a crowd
+fake engines' behaviour (speed, stream length, a replica answering 503 so requests retry, one ejected) and a crowd
 of clients that each leave at a drawn moment (right after sending, while queued, at the response headers, mid-
 stream, or not at all), all against a real uvicorn so that clients really disconnect. The invariant is checked
 after every case: nothing in flight, nothing queued, no lease held, and none of it returned by the garbage
 collector's backstop (the lease structure must release every slot on its own), and a new request is answered.
 While each case runs, a drain would wait for every stream the gateway has open (``DrainWatch``).
 
-The stub engine is fine here: what is verified is the gateway's own bookkeeping. The same storm runs against a
-real vLLM engine in tests/integration/test_disconnect.py.
+The fake engine (tests/fake_engine.py) is fine here: what is verified is the gateway's own bookkeeping. The same
+storm runs against a real vLLM engine in tests/integration/test_disconnect.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from appliance.context import context_of
 from appliance.gateway.core import Gateway
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.fake_engine import CountingModel, FakeEngine
 from tests.gateway.live import DrainWatch, LiveGateway, wait_until
-from tests.gateway.stub import StubUpstream
 
 CASES = 120
 SEED = 20261204
@@ -45,7 +45,7 @@ class Storm:
     live: LiveGateway
     app: object
     watch: DrainWatch
-    stubs: list[StubUpstream]
+    stubs: list[FakeEngine]
     fleet: list[FakeReplica]
 
     @property
@@ -65,7 +65,7 @@ class Storm:
 
 @pytest.fixture(scope="module")
 def storm():
-    stubs = [StubUpstream().start() for _ in range(2)]
+    stubs = [FakeEngine(model=CountingModel(prefix=""), tokens=3).start() for _ in range(2)]
     fleet = [FakeReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
     settings = Settings(served_model_name="demo", request_timeout_seconds=10, upstream_idle_timeout_seconds=3,
                         admission={"max_limit": 2, "initial_limit": 2, "max_queue": 64,
@@ -113,23 +113,24 @@ async def client(port: int, action: str, stream: bool, rng: random.Random) -> No
 def configure(storm: Storm, rng: random.Random) -> str:
     """Draw the engines' behaviour for one case; returns it in words, for a failure message."""
     for stub in storm.stubs:
-        stub.delay = rng.choice([0.0, 0.005, 0.02, 0.05])
-        stub.chunks = rng.randint(1, 30)
-        stub.stall = rng.choice([0.0, 0.0, 0.0, 0.3])
+        stub.first_token_delay = stub.token_delay = rng.choice([0.0, 0.005, 0.02, 0.05])
+        stub.tokens = rng.randint(1, 30)
+        stub.stall_seconds = rng.choice([0.0, 0.0, 0.0, 0.3])
         stub.fail_status = None
     if rng.random() < 0.2:
         storm.stubs[1].fail_status = 503  # refuses: its requests retry on replica-0
     ejected = rng.random() < 0.15
     if ejected:
         storm.gateway.router.eject("replica-1", "storm")
-    return (f"stubs {[(s.delay, s.chunks, s.stall, s.fail_status) for s in storm.stubs]}, "
+    return (f"stubs {[(s.token_delay, s.tokens, s.stall_seconds, s.fail_status) for s in storm.stubs]}, "
             f"replica-1 ejected: {ejected}")
 
 
 def recover(storm: Storm) -> None:
     """Between cases: engines healthy and in rotation again (only the slot state carries over)."""
     for stub in storm.stubs:
-        stub.fail_status, stub.stall, stub.delay, stub.chunks = None, 0.0, 0.0, 3
+        stub.fail_status, stub.stall_seconds, stub.tokens = None, 0.0, 3
+        stub.first_token_delay = stub.token_delay = 0.0
     for name in ("replica-0", "replica-1"):
         health = storm.gateway.router.health_of(name)
         health.ejected_until, health.consecutive_failures = None, 0
@@ -168,7 +169,7 @@ def test_a_burst_of_streams_dropped_at_once_gives_every_slot_back(storm: Storm) 
     """The issue's reproduction, on a stub: 64 streaming clients on a replica whose limit is 2, all dropped at once
     while some stream and the rest wait in the queue, three bursts in a row (before the fix: every slot leaked)."""
     for stub in storm.stubs:
-        stub.chunks, stub.delay = 200, 0.02
+        stub.tokens, stub.first_token_delay, stub.token_delay = 200, 0.02, 0.02
 
     async def burst(port: int, rng: random.Random) -> None:
         connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(64)]

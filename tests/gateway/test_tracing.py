@@ -28,7 +28,7 @@ def test_spans_per_hop_in_the_callers_trace(replicas):
 def test_without_exporter_no_span_is_made_but_context_still_reaches_the_engine(client, stubs):
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"  # not sampled
     client.post("/v1/completions", json={"prompt": "hi"}, headers={"traceparent": traceparent})
-    headers = [h for stub in stubs for h in stub.headers][0]
+    headers = [r.headers for stub in stubs for r in stub.received][0]
     assert headers["traceparent"] == traceparent
 
 
@@ -42,7 +42,7 @@ def _exported_trace_ids(ratio: float, trace_ids: list[int], sampled: bool, repli
     exporter = InMemorySpanExporter()
     app = create_app(Settings(trace_sample_ratio=ratio), replicas=lambda: replicas, span_exporter=exporter)
     for stub in stubs:
-        stub.headers.clear()
+        stub.received.clear()
     with TestClient(app) as client:
         for trace_id in trace_ids:
             response = client.post("/v1/completions", json={"prompt": "hi"},
@@ -52,7 +52,7 @@ def _exported_trace_ids(ratio: float, trace_ids: list[int], sampled: bool, repli
     roots = [s for s in exporter.get_finished_spans() if s.name == "gateway completions"]
     for root in roots:  # a sampled request continues the caller's trace: its span is the parent
         assert root.parent is not None and root.parent.span_id == 0x00F067AA0BA902B7 and root.parent.is_remote
-    sent = [h["traceparent"] for stub in stubs for h in stub.headers]
+    sent = [r.headers["traceparent"] for stub in stubs for r in stub.received]
     return {root.context.trace_id for root in roots}, sent
 
 

@@ -34,10 +34,10 @@ from appliance.loadtest.prompts import (
     WordCounter,
     choose_counter,
 )
-from tests.loadtest.stub import StubServer
+from tests.fake_engine import FakeEngine
 from tests.loadtest.timing import retry_if_starved
 
-Start = Callable[..., StubServer]
+Start = Callable[..., FakeEngine]
 LENIENT = 0.5  # max_lag_s for tests that do not test the lag rule: the test machine is shared and busy
 
 
@@ -83,11 +83,11 @@ def test_normalize_base_url() -> None:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_timings_of_a_scripted_stream(stub_server: Start, endpoint: str) -> None:
-    stub = stub_server(ttft_s=0.10, itl_s=0.02)
+    stub = stub_server(first_token_delay=0.10, token_delay=0.02)
     target = Target(stub.url, "stub", endpoint=endpoint)
     retry_if_starved(lambda: _check_timings(_run(target, LoadSpec(concurrency=1, requests=4, warmup=1,
                                                                   max_lag_s=LENIENT), max_tokens=6)))
-    body = stub.received[-1]
+    body = stub.received[-1].body
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
     assert ("messages" in body) == (endpoint == "chat")
 
@@ -109,7 +109,7 @@ def _check_timings(run: LoadRun) -> None:
 
 
 def test_warmup_and_cooldown_are_excluded(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.005, itl_s=0.001)
+    stub = stub_server(first_token_delay=0.005, token_delay=0.001)
     run = _run(Target(stub.url, "stub"), LoadSpec(concurrency=3, requests=12, warmup=3, max_lag_s=LENIENT))
     assert [r.index for r in run.measured] == list(range(3, 15))
     phases = {r.phase for r in run.results}
@@ -121,7 +121,7 @@ def test_warmup_and_cooldown_are_excluded(stub_server: Start) -> None:
 
 
 def test_open_loop_poisson_rate(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.002, itl_s=0.001)
+    stub = stub_server(first_token_delay=0.002, token_delay=0.001)
     spec = LoadSpec(rate=RATE, requests=120, warmup=0, seed=3, max_lag_s=LENIENT)
     retry_if_starved(lambda: _check_rate(_run(Target(stub.url, "stub"), spec, max_tokens=2), RATE))
 
@@ -141,7 +141,7 @@ def _check_rate(run: LoadRun, rate: float) -> None:
 
 
 def test_open_loop_schedule_is_seeded(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.001, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.001, token_delay=0.0)
     spec = LoadSpec(rate=200.0, requests=20, warmup=0, seed=11, max_lag_s=LENIENT)
     first = _run(Target(stub.url, "stub"), spec, max_tokens=1)
     second = _run(Target(stub.url, "stub"), spec, max_tokens=1)
@@ -153,7 +153,7 @@ def test_open_loop_schedule_is_seeded(stub_server: Start) -> None:
 def test_stalled_server_shows_in_latency_from_intended_time(stub_server: Start) -> None:
     """Coordinated omission: with one connection, requests due during a 0.6 s stall wait in the client. Timed
     from when they went on the wire they look fast; timed from when they were due they carry the stall."""
-    stub = stub_server(ttft_s=0.005, itl_s=0.001, stall_at=4, stall_s=0.6)
+    stub = stub_server(first_token_delay=0.005, token_delay=0.001, freeze_at=4, freeze_seconds=0.6)
     spec = LoadSpec(rate=20.0, requests=24, warmup=0, max_inflight=1, seed=5, max_lag_s=LENIENT)
 
     def check() -> None:
@@ -203,7 +203,7 @@ def test_client_bottleneck_refuses_to_report() -> None:
 
 
 def test_errors_count_against_the_sla(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.002, itl_s=0.0, fail_every=4)
+    stub = stub_server(first_token_delay=0.002, token_delay=0.0, fail_every=4)
     run = _run(Target(stub.url, "stub"), LoadSpec(concurrency=2, requests=40, warmup=0, max_lag_s=LENIENT),
                max_tokens=2)
     summary = summarize_run(run, SLO(ttft_s=1.0))
@@ -217,7 +217,7 @@ def test_errors_count_against_the_sla(stub_server: Start) -> None:
 
 
 def test_duration_mode(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.01, itl_s=0.001)
+    stub = stub_server(first_token_delay=0.01, token_delay=0.001)
     spec = LoadSpec(concurrency=2, duration=0.6, warmup=2, max_lag_s=LENIENT)
 
     def check() -> None:
@@ -233,7 +233,7 @@ def test_duration_mode(stub_server: Start) -> None:
 
 
 def test_server_tokenizer_gives_exact_prompts(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.002, itl_s=0.0, tokenize=True)
+    stub = stub_server(first_token_delay=0.002, token_delay=0.0, tokenize_endpoint=True)
     counter = choose_counter(stub.url, "stub", None, None)
     assert isinstance(counter, ServerTokenizer)
     prompts = SyntheticPrompts(counter, 20, seed=1, max_tokens=2)
@@ -315,7 +315,7 @@ def test_preflight_unreachable_is_failure() -> None:
 
 
 def test_rows_are_json(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.001, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.001, token_delay=0.0)
     run = _run(Target(stub.url, "stub"), LoadSpec(concurrency=1, requests=2, warmup=0, max_lag_s=LENIENT))
     row = json.loads(json.dumps(run.measured[0].as_row()))
     assert {"ttft_s", "tpot_s", "e2e_s", "queue_s", "itl_s", "chunk_times_s", "prompt_tokens"} <= set(row)

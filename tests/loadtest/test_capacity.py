@@ -15,14 +15,14 @@ from appliance.loadtest.client import RequestResult
 from appliance.loadtest.load import LoadRun
 from appliance.loadtest.metrics_scrape import Reading, read
 from appliance.loadtest.prompts import SyntheticPrompts, WordCounter
-from tests.loadtest.stub import StubServer
+from tests.fake_engine import FakeEngine
 from tests.loadtest.timing import retry_if_starved
 
-Start = Callable[..., StubServer]
+Start = Callable[..., FakeEngine]
 KNEE = 5
 
 
-def _config(stub: StubServer, **kw: object) -> CapacityConfig:
+def _config(stub: FakeEngine, **kw: object) -> CapacityConfig:
     # Wide margins between fast (a few ms), the SLO and slow: the test machine is shared and busy.
     base: dict[str, object] = dict(target=Target(stub.url, "stub"), slo=SLO(ttft_s=0.25), max_concurrency=32,
                                    requests_per_probe=60, max_requests_per_probe=120, max_lag_s=0.5, settle_s=0.2)
@@ -36,7 +36,7 @@ def _prompts() -> SyntheticPrompts:
 
 def test_search_finds_the_knee(stub_server: Start) -> None:
     """TTFT is 4 ms while at most KNEE requests are in flight and 500 ms beyond: the answer is KNEE."""
-    stub = stub_server(ttft_fn=lambda inflight: 0.004 if inflight <= KNEE else 0.5, itl_s=0.001)
+    stub = stub_server(first_token_delay=lambda inflight: 0.004 if inflight <= KNEE else 0.5, token_delay=0.001)
     retry_if_starved(lambda: _check_knee(asyncio.run(run_capacity(_config(stub), _prompts()))))
 
 
@@ -59,7 +59,7 @@ def _check_knee(run: CapacityRun) -> None:
 
 
 def test_unreachable_at_concurrency_one(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.025, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.025, token_delay=0.0)
     run = asyncio.run(run_capacity(_config(stub, slo=SLO(ttft_s=0.01), requests_per_probe=40,
                                            max_requests_per_probe=40), _prompts()))
     assert run.result["verdict"] == "unreachable" and run.result["max_concurrency"] is None
@@ -68,7 +68,7 @@ def test_unreachable_at_concurrency_one(stub_server: Start) -> None:
 
 
 def test_capped_by_max_concurrency(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.003, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.003, token_delay=0.0)
     retry_if_starved(lambda: _check_capped(asyncio.run(run_capacity(_config(stub, max_concurrency=4), _prompts()))))
 
 
@@ -86,7 +86,7 @@ def test_unresolved_probe_is_extended(stub_server: Start) -> None:
         calls["n"] += 1
         return 0.4 if calls["n"] % 15 == 0 else 0.003
 
-    stub = stub_server(ttft_fn=ttft, itl_s=0.0)
+    stub = stub_server(first_token_delay=ttft, token_delay=0.0)
 
     def check() -> None:
         search = CapacitySearch(_config(stub, requests_per_probe=30, max_requests_per_probe=90), _prompts())
@@ -119,7 +119,7 @@ def test_a_batch_the_client_could_not_drive_is_discarded_and_rerun(stub_server: 
     """One stall of the client must not count as the server failing the SLA (it ended a CI search as
     "unstable"): the batch is re-run, and its requests stay in requests.jsonl marked as discarded."""
     _client_stalls(monkeypatch, stalls=1)
-    stub = stub_server(ttft_s=0.003, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.003, token_delay=0.0)
     search = CapacitySearch(_config(stub), _prompts())
     probe = asyncio.run(search.probe(1, "feasibility"))
     assert probe.verdict == "pass", probe.reason
@@ -134,7 +134,7 @@ def test_a_batch_the_client_could_not_drive_is_discarded_and_rerun(stub_server: 
 def test_a_client_that_never_keeps_up_ends_the_search_as_invalid(stub_server: Start,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     _client_stalls(monkeypatch, stalls=None)
-    stub = stub_server(ttft_s=0.003, itl_s=0.0)
+    stub = stub_server(first_token_delay=0.003, token_delay=0.0)
     run = asyncio.run(run_capacity(_config(stub, requests_per_probe=20, max_requests_per_probe=20,
                                            client_retries=2), _prompts()))
     assert run.result["verdict"] == "invalid" and run.result["max_concurrency"] is None, run.result
@@ -144,7 +144,7 @@ def test_a_client_that_never_keeps_up_ends_the_search_as_invalid(stub_server: St
 
 
 def test_soak_detects_memory_growth(stub_server: Start) -> None:
-    stub = stub_server(ttft_s=0.003, itl_s=0.001, memory_fn=lambda t: 1e9 * (1 + 0.3 * t))
+    stub = stub_server(first_token_delay=0.003, token_delay=0.001, resident_memory_bytes=lambda t: 1e9 * (1 + 0.3 * t))
     config = _config(stub, soak_s=2.0, soak_window_s=0.4, metrics_url=stub.url + "/metrics")
     retry_if_starved(lambda: _check_soak(CapacitySearch(config, _prompts())))
 

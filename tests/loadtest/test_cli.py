@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.loadtest.stub import StubServer
+from tests.fake_engine import FakeEngine
 from tests.loadtest.support import run_cli
 from tests.loadtest.timing import retry_if_starved
 
-Start = Callable[..., StubServer]
+Start = Callable[..., FakeEngine]
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_unreachable_url_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_bench_command_writes_reports(tmp_path: Path, stub_server: Start, capsys: pytest.CaptureFixture[str]) -> None:
-    stub = stub_server(ttft_s=0.003, itl_s=0.001, tokenize=True)
+    stub = stub_server(first_token_delay=0.003, token_delay=0.001, tokenize_endpoint=True)
     out = tmp_path / "bench"
     code = run_cli(["bench", "--url", stub.url + "/v1", "--model", "stub", "--concurrency", "2", "--requests", "20",
                     "--out", str(out), "--prompt-tokens", "12", "--max-tokens", "3", "--slo-ttft-p95-ms", "500",
@@ -99,12 +99,12 @@ def test_bench_command_writes_reports(tmp_path: Path, stub_server: Start, capsys
 
 
 def test_capacity_command(tmp_path: Path, stub_server: Start, capsys: pytest.CaptureFixture[str]) -> None:
-    stub = stub_server(ttft_fn=lambda n: 0.003 if n <= 2 else 0.5, itl_s=0.0)
+    stub = stub_server(first_token_delay=lambda n: 0.003 if n <= 2 else 0.5, token_delay=0.0)
     out = tmp_path / "cap"
     retry_if_starved(lambda: _check_capacity(stub, out, capsys))
 
 
-def _check_capacity(stub: StubServer, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _check_capacity(stub: FakeEngine, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = run_cli(["capacity", "--url", stub.url, "--model", "stub", "--slo-ttft-p95-ms", "250", "--out", str(out),
                     "--settle-s", "0.2",
                     "--requests-per-probe", "60", "--max-requests-per-probe", "60", "--max-tokens", "2",
