@@ -1,4 +1,4 @@
-"""``appliance status | drain | restart``: the admin API from a shell, for runbooks.
+"""``appliance status | drain | restart | requests``: the admin API from a shell, for runbooks.
 
 Standard library only: these commands must work from a bare shell on the host during an incident.
 """
@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import quote, urlencode
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
@@ -183,3 +184,113 @@ def format_maintenance(m: dict[str, Any]) -> list[str]:
         lines.append(f"  last action: {last['action']}{target} ({last['trigger']}) {last['result']} "
                      f"at {when(last['at'])}")
     return lines
+
+
+# --- the request records (GET /admin/requests): `appliance requests` ------------------------------------------
+
+
+def requests_path(limit: int = 50, tenant: str | None = None, replica: str | None = None,
+                  min_seconds: float | None = None, status: str | None = None) -> str:
+    """GET /admin/requests with the filters given (those left None are not sent)."""
+    query = {"limit": limit, "tenant": tenant, "replica": replica, "min_seconds": min_seconds, "status": status}
+    return "/admin/requests?" + urlencode({k: v for k, v in query.items() if v is not None})
+
+
+def request_path(request_id: str) -> str:
+    """GET /admin/requests/{id}, the id quoted whole: a client's x-request-id may hold any character."""
+    return "/admin/requests/" + quote(request_id, safe="")
+
+
+def format_requests(body: dict[str, Any], now: float | None = None) -> str:
+    """The records as a table, newest first: one line per request, what an operator scans for the slow one."""
+    if not body.get("capacity"):
+        return "request records are off (gateway.request_records is 0)"
+    records = body.get("requests") or []
+    if not records:
+        return f"no request matches (the gateway holds the last {body.get('held', 0)} of at most {body['capacity']})"
+    now = time.time() if now is None else now
+    width = max(len("id"), *(len(r["id"]) for r in records))
+    lines = [f"{'id':<{width}} {'age':>5} {'tenant':<12} {'route':<17} {'replica':<12} {'decided_by':<14} "
+             f"{'wait':>7} {'ttft':>7} {'e2e':>7} {'status':<12} {'retry/mig':>9}"]
+    for r in records:
+        status = f"{r['status'] or '-'} {r['outcome'] or ''}".strip()
+        moves = f"{r['retries']}/{len(r['migrations'])}"
+        lines.append(f"{r['id']:<{width}} {_age(now - r['arrived_at']):>5} {r['tenant'] or '-':<12} "
+                     f"{_route(r['route']):<17} {r['replica'] or '-':<12} {r['decided_by'] or '-':<14} "
+                     f"{_secs(r['queue_wait_seconds']):>7} {_secs(r['ttft_seconds']):>7} "
+                     f"{_secs(r['e2e_seconds']):>7} {status:<12} {moves:>9}")
+    lines.append(f"{len(records)} shown; the gateway holds the last {body['held']} of at most {body['capacity']} "
+                 "(appliance requests --id ID for one request's routing decision)")
+    return "\n".join(lines)
+
+
+def format_request(record: dict[str, Any], now: float | None = None) -> str:
+    """One request in full: its timings and end, then each attempt with its routing decision explained (every
+    replica considered, the filter that removed each one left out, each scorer's value), then its migrations."""
+    now = time.time() if now is None else now
+    lines = [f"request {record['id']}  {record['route']}  tenant {record['tenant'] or '-'}"
+             f"{'  stream' if record['stream'] else ''}  {_age(now - record['arrived_at'])} ago",
+             f"status {record['status'] or '-'} {record['outcome'] or ''}  queue wait "
+             f"{_secs(record['queue_wait_seconds'])}  ttft {_secs(record['ttft_seconds'])}  "
+             f"e2e {_secs(record['e2e_seconds'])}"]
+    for number, attempt in enumerate(record["attempts"], start=1):
+        lines += _format_attempt(number, attempt)
+    for number, move in enumerate(record["migrations"], start=1):
+        lines.append(f"migration {number}: {move['from_replica']} -> {move['to_replica'] or '-'} ({move['reason']}, "
+                     f"{move['sent_tokens']} tokens already sent): {move['outcome']}")
+    return "\n".join(lines)
+
+
+def _format_attempt(number: int, attempt: dict[str, Any]) -> list[str]:
+    ended = attempt["outcome"] or "running"
+    lines = [f"attempt {number}: {attempt['replica']} at +{_secs(attempt['started_after_seconds'])} (queue wait "
+             f"{_secs(attempt['queue_wait_seconds'])}): {ended}" + (f" ({attempt['reason']})"
+                                                                     if attempt["reason"] else "")]
+    decision = attempt.get("decision")
+    if decision:
+        lines.append(f"  picked {decision['picked']}, decided by {decision['decided_by']}"
+                     + (f", total {decision['total']:.3f}" if decision["totals"] else ""))
+        lines += ["  " + line for line in _decision_table(decision)]
+    return lines
+
+
+def _decision_table(decision: dict[str, Any]) -> list[str]:
+    """Every replica considered: the filter that removed it, or its unweighted scores (? = unknown, counted as
+    neutral) and weighted total."""
+    scorers = list(dict.fromkeys(name for scores in decision["scores"].values() for name in scores))
+    width = max(len("replica"), *(len(name) + 1 for name in decision["candidates"]))  # + 1: the pick's "*"
+    lines = [f"{'replica':<{width}} {'removed by':<12}" + "".join(f" {s:>11}" for s in scorers)
+             + (f" {'total':>7}" if decision["totals"] else "")]
+    for name in decision["candidates"]:
+        scores = decision["scores"].get(name, {})
+        total = decision["totals"].get(name)
+        mark = "*" if name == decision["picked"] else ""
+        line = (f"{name + mark:<{width}} {decision['removed'].get(name, '-'):<12}"
+                + "".join(f" {_score(scores.get(s), name in decision['scores']):>11}" for s in scorers)
+                + (f" {'' if total is None else f'{total:.3f}':>7}" if decision["totals"] else ""))
+        lines.append(line.rstrip())
+    return lines
+
+
+def _score(value: float | None, scored: bool) -> str:
+    if not scored:
+        return ""
+    return "?" if value is None else f"{value:.3f}"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _route(route: str) -> str:
+    return route.removeprefix("/v1/")

@@ -23,17 +23,18 @@ from prometheus_client import CollectorRegistry
 
 from appliance import status, version
 from appliance.collectors import register_collectors
+from appliance.composition.gateway import build_gateway
+from appliance.composition.maintenance import build_maintenance
 from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
-from appliance.gateway.core import build_gateway
 from appliance.gateway.limits import BodyBudget, RequestIntake
 from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
 from appliance.maintenance.reload import HOT_KEYS, InvalidConfig
-from appliance.maintenance.service import DataPathView, build_maintenance
+from appliance.maintenance.service import DataPathView
 from appliance.maintenance.traffic import counter_total
 from appliance.settings import Settings
 
@@ -75,7 +76,7 @@ def create_app(
         maintenance.start()
         # What is alive now (modules, the app, the settings: ~100k objects) lives as long as the app: frozen, the
         # collector's full passes skip it. Each full pass over it held the event loop ~30 ms, now and then, in the
-        # middle of relaying streams and answering first tokens (issue 25). Thawed at shutdown.
+        # middle of relaying streams and answering first tokens. Thawed at shutdown.
         gc.freeze()
         try:
             yield

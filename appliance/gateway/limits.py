@@ -3,7 +3,7 @@
 1. stamps the request's arrival (latency is measured from it, so time spent in the gateway counts);
 2. checks the bearer token for /v1, /admin and /sd/targets from the headers alone (appliance/http/auth.py, the
    same constant-time matching the routes' dependencies use): a stranger gets 401 before one byte of its body is
-   read, so it cannot make the gateway buffer anything (issue 20);
+   read, so it cannot make the gateway buffer anything;
 3. refuses a declared Content-Length over ``max_request_bytes`` (413);
 4. takes the body's bytes from the global body budget (``intake.body_budget_bytes``): the declared length up
    front, a chunked body as it arrives; what does not fit is 503 with Retry-After;

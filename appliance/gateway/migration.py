@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from appliance.gateway.upstream.hook import StreamBreak
+from appliance.gateway.upstream.sse import DONE, payload, sse
 
 # Why a stream broke (the label of appliance_stream_migrations_total).
 CONNECTION = "connection"  # reset, or closed before [DONE]: the engine process died or dropped the connection
@@ -104,59 +106,6 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
-class StreamBreak(Exception):
-    """The upstream stream ended before it was whole."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-class NotMigratable(Exception):
-    """The stream turned out not to be continuable (no token ids in its chunks)."""
-
-
-class SSEEvents:
-    """Splits an upstream byte stream into whole server-sent events (``data: ...\\n\\n``), so that the gateway
-    relays whole events only and knows exactly which tokens the client has been sent."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> Iterator[bytes]:
-        self._buffer += chunk
-        while (end := self._buffer.find(b"\n\n")) >= 0:
-            event, self._buffer = self._buffer[:end + 2], self._buffer[end + 2:]
-            yield event
-
-    def feed_block(self, chunk: bytes) -> bytes:
-        """Every whole event the buffer now holds, as one block: for a caller that needs whole events but not one
-        at a time (one search from the end instead of a slice per event; the usage-hiding relay)."""
-        buffer = self._buffer + chunk
-        end = buffer.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = buffer
-            return b""
-        self._buffer = buffer[end + 2:]
-        return buffer[:end + 2]
-
-    @property
-    def pending(self) -> bytes:
-        return self._buffer
-
-
-def payload(event: bytes) -> bytes | None:
-    """The data of one event (its ``data:`` lines joined); None for a comment or an empty event."""
-    lines = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-DONE = b"data: [DONE]\n\n"
 # A token chunk's ids as vLLM writes them (compact JSON). A quote inside a JSON string is escaped, so this cannot
 # match inside generated text; an event where it does not match exactly once takes the parsing path.
 TOKEN_IDS = re.compile(rb',?"token_ids":\[([0-9,]*)\]')
@@ -248,7 +197,7 @@ class StreamLedger:
             self.sent_ids.extend(int(t) for t in ids.split(b","))
         if self.client_wants_ids:
             return event
-        return event[:found.start()] + event[found.end():]
+        return event[:found.start(1) - 1] + b"null" + event[found.end(1) + 1:]
 
     def _original(self, obj: dict[str, Any], event: bytes) -> bytes:
         if self.events == 1:
@@ -264,13 +213,14 @@ class StreamLedger:
 
     def _take_prompt_ids(self, holder: dict[str, Any]) -> bool:
         """Record the prompt's ids where vLLM puts them (the chunk for chat, the choice for completions); strip them
-        unless the client asked. True if ``holder`` changed."""
-        if "prompt_token_ids" not in holder:
+        unless the client asked (to null: vLLM writes the field as null when nobody asked). True if ``holder``
+        changed."""
+        if holder.get("prompt_token_ids") is None:
             return False
-        self._prompt(holder.get("prompt_token_ids"))
+        self._prompt(holder["prompt_token_ids"])
         if self.client_wants_ids:
             return False
-        del holder["prompt_token_ids"]
+        holder["prompt_token_ids"] = None
         return True
 
     def _track(self, choice: dict[str, Any]) -> bool:
@@ -281,8 +231,8 @@ class StreamLedger:
             self.sent_ids.extend(ids)
         elif choice.get("text") or (choice.get("delta") or {}).get("content"):
             self.trackable = False  # text without its ids: what was sent can no longer be known exactly
-        if "token_ids" in choice and not self.client_wants_ids:
-            del choice["token_ids"]
+        if ids is not None and not self.client_wants_ids:
+            choice["token_ids"] = None  # as vLLM writes it when nobody asked
             changed = True
         if choice.get("finish_reason") == "abort":
             choice["finish_reason"] = None
@@ -312,15 +262,16 @@ class StreamLedger:
                 finish, self.aborted = None, True
             if finish is not None:
                 self.finish_reason = finish
-            if self.route == "chat":
+            shown = ids if self.client_wants_ids and isinstance(ids, list) else None
+            if self.route == "chat":  # vLLM's chat chunk: stop_reason on the finishing one only
                 rewritten: dict[str, Any] = {"index": 0, "delta": {"content": choice.get("text") or ""},
                                              "logprobs": None, "finish_reason": finish}
-            else:
-                rewritten = {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": finish}
-            if finish is not None and "stop_reason" in choice:
-                rewritten["stop_reason"] = choice["stop_reason"]
-            if self.client_wants_ids and isinstance(ids, list):
-                rewritten["token_ids"] = ids
+                if finish is not None:
+                    rewritten["stop_reason"] = choice.get("stop_reason")
+                rewritten["token_ids"] = shown
+            else:  # vLLM's completion chunk: every field, null when unset
+                rewritten = {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": finish,
+                             "stop_reason": choice.get("stop_reason"), "prompt_token_ids": None, "token_ids": shown}
             out["choices"].append(rewritten)
         if obj.get("usage"):
             out["usage"] = self.whole_usage(obj["usage"].get("completion_tokens") or 0)

@@ -23,8 +23,8 @@ from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
 from appliance.gateway.ejection import Ejector, ReplicaHealth
 from appliance.gateway.metrics import PrefixIndexCollector, RoutingMetrics
-from appliance.gateway.routing import RoutingRequest, build_policy
-from appliance.gateway.routing.filters import ELIGIBLE, WITH_ROOM, passing
+from appliance.gateway.routing import Decision, RoutingRequest, build_policy
+from appliance.gateway.routing.filters import ELIGIBLE, passing, sift
 from appliance.gateway.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,12 @@ class Router:
     def try_acquire(self, exclude: Collection[str] = frozenset(),
                     request: RoutingRequest | None = None) -> Replica | None:
         """The best replica with room under its limit, its outstanding count already taken; or None.
-        ``request`` carries the prompt for prefix affinity (None: route by load alone); its ``decision`` is set."""
+        ``request`` carries the prompt for prefix affinity (None: route by load alone); its ``decision`` is set,
+        explained: every replica considered, the first filter that removed each one left out, the scores."""
         started = time.perf_counter()
         replicas = self._replicas()
         self.policy.observe(replicas)
-        candidates = passing(replicas, self, exclude, WITH_ROOM)
+        candidates, removed = sift(replicas, self, exclude)
         if not candidates:
             return None
         decision = self.policy.choose(candidates, self, request)
@@ -126,6 +127,7 @@ class Router:
         if decision.prefix_match is not None and request is not None and request.prompt:
             self.metrics.prefix_match.observe(decision.prefix_match)
         if request is not None:
+            _explain(decision, replicas, removed)
             request.decision = decision
         return chosen
 
@@ -203,3 +205,11 @@ class Router:
         if busy_since is None or load.read_at - busy_since <= self.routing.metrics_poll_seconds:
             return False
         return not (load.running or 0) and not (load.waiting or 0)
+
+
+def _explain(decision: Decision, replicas: Sequence[Replica], removed: list[tuple[str, str]]) -> None:
+    """Completes the policy's decision with what the filters did: the replicas considered, in order, and those
+    the filters removed before the policy's own removals (the balance bound)."""
+    decision.considered = [r.name for r in replicas]
+    if removed:
+        decision.removed[:0] = removed

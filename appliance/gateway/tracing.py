@@ -4,7 +4,7 @@ The tracer provider lives on the app (not the process-global one), so tests and 
 not share state. Without an OTLP endpoint nothing is recorded or exported; the caller's trace id still goes to
 the engine, so vLLM's own spans (if it exports any) can join the caller's trace.
 
-The gateway decides sampling, never the client (issue 21): the root sampler is ``TraceIdRatioBased`` alone, not
+The gateway decides sampling, never the client: the root sampler is ``TraceIdRatioBased`` alone, not
 ``ParentBased``, so a caller's sampled ``traceparent`` cannot force span export past ``trace_sample_ratio`` (any
 client could otherwise make every one of its requests exported: a cost, and a flood of the trace store). The
 span still continues the caller's trace (same trace id, the caller's span as parent), so a sampled request
@@ -15,6 +15,7 @@ decision in its flags.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from opentelemetry import trace
@@ -47,16 +48,6 @@ def build_tracer_provider(settings: GatewaySettings, exporter: SpanExporter | No
 def extract_context(headers: Mapping[str, str]) -> Context:
     """The caller's trace context from its ``traceparent``/``tracestate`` headers, if any."""
     return PROPAGATOR.extract(carrier=dict(headers))
-
-
-def inject_headers(headers: dict[str, str]) -> dict[str, str]:
-    """Add ``traceparent`` for the current span to headers going to the engine."""
-    PROPAGATOR.inject(carrier=headers)
-    return headers
-
-
-def current_span() -> trace.Span:
-    return trace.get_current_span()
 
 
 def is_sampled(traceparent: str | None) -> bool:
@@ -96,6 +87,12 @@ class RequestTrace:
         self._open.append(span)
         return span
 
+    def elapsed(self, name: str, seconds: float) -> None:
+        """A child span for something measured when it ended (a queue wait): it began ``seconds`` ago."""
+        if self.recording:
+            now = time.time_ns()
+            self._tracer.start_span(name, context=self._ctx, start_time=now - int(seconds * 1e9)).end(now)
+
     def propagate(self, span: trace.Span, headers: dict[str, str]) -> dict[str, str]:
         """Headers for the engine carrying ``span`` as the parent of vLLM's own spans."""
         if not self.recording:
@@ -115,3 +112,7 @@ class RequestTrace:
         if status_code >= 500:
             self.root.set_status(trace.StatusCode.ERROR)
         self.root.end()
+
+
+UNTRACED = RequestTrace(trace.NoOpTracer(), "", {}, recording=False)
+"""The trace of a request nobody traces (no observation hook): spans are no-ops, nothing is propagated."""

@@ -1,5 +1,5 @@
 """Stream migration, the gateway's own logic, against fake engines that speak vLLM's streaming protocol with token
-ids (tests/gateway/migration_engine.py): a stream broken at any token is continued on the other replica and the
+ids (tests/fake_engine.py, its greedy model): a stream broken at any token is continued on the other replica and the
 client sees one whole stream, identical to an undisturbed one; what cannot be continued ends with an error event
 that says why; slots come back; metrics and spans say what happened. Against a real uvicorn, so streams are real.
 
@@ -22,11 +22,12 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway import migration
+from appliance.gateway.upstream.sse import SSEEvents
 from appliance.serve import in_flight
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.fake_engine import Failure, FakeEngine, detok, greedy, render_chat, tokenize
 from tests.gateway.live import LiveGateway, wait_until
-from tests.gateway.migration_engine import Failure, TokenEngine, detok, greedy, render_chat, tokenize
 
 PROMPT = "The import system"
 MESSAGES = [{"role": "user", "content": "Tell me about modules"}]
@@ -39,14 +40,14 @@ def failures() -> list[Failure]:
 
 @pytest.fixture
 def engines(failures):
-    fleet = [TokenEngine(failures=failures).start() for _ in range(2)]
+    fleet = [FakeEngine(failures=failures).start() for _ in range(2)]
     yield fleet
     for engine in fleet:
         engine.stop()
 
 
 class Gateway:
-    def __init__(self, engines: list[TokenEngine], exporter: InMemorySpanExporter | None = None, **overrides):
+    def __init__(self, engines: list[FakeEngine], exporter: InMemorySpanExporter | None = None, **overrides):
         self.registry = CollectorRegistry()
         self.fleet = [FakeReplica(f"replica-{i}", e.url) for i, e in enumerate(engines)]
         settings = Settings(served_model_name="demo", upstream_idle_timeout_seconds=1.0,
@@ -123,7 +124,8 @@ def assert_whole(events: list, route: str, max_tokens: int) -> None:
     prompt = len(tokenize(PROMPT) if route == "completions" else render_chat(MESSAGES))
     assert chunks[-1]["usage"] == {"prompt_tokens": prompt, "completion_tokens": max_tokens,
                                    "total_tokens": prompt + max_tokens}
-    assert not any("token_ids" in c or "prompt_token_ids" in c for e in chunks for c in [e, *e["choices"]])
+    # no ids the client did not ask for: null, as vLLM writes the fields when nobody asked
+    assert not any(c.get("token_ids") or c.get("prompt_token_ids") for e in chunks for c in [e, *e["choices"]])
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
@@ -136,7 +138,7 @@ def test_a_stream_broken_mid_way_is_continued_token_exact_on_the_other_replica(e
         prompt = len(tokenize(PROMPT) if route == "completions" else render_chat(MESSAGES))
         assert gw.replayed() == prompt + 7
         assert wait_until(gw.slots_back)
-    continuation = [body for e in engines for path, body in e.received if isinstance(body.get("prompt"), list)]
+    continuation = [r.body for e in engines for r in e.received if isinstance(r.body.get("prompt"), list)]
     assert len(continuation) == 1
     body = continuation[0]
     assert body["max_tokens"] == 13 and body["stream"] is True and body["return_token_ids"] is True
@@ -204,7 +206,7 @@ def test_what_cannot_be_continued_faithfully_ends_with_an_error_event_saying_why
         assert why in error["message"] and error["code"] == "upstream_error"
         assert gw.migrations("connection", "ineligible") == 1
         assert wait_until(gw.slots_back)
-    sent = [body for e in engines for _, body in e.received]
+    sent = [r.body for e in engines for r in e.received]
     assert len(sent) == 1 and "return_token_ids" not in sent[0]  # the client's bytes, untouched
 
 
@@ -307,7 +309,7 @@ def test_migration_off_keeps_the_error_event_and_the_clients_bytes(engines, fail
         events = gw.stream("completions", body_for("completions", 10))
         assert "error" in events[-1]
         assert gw.migrations("connection", "continued") == 0
-    sent = [body for e in engines for _, body in e.received]
+    sent = [r.body for e in engines for r in e.received]
     assert len(sent) == 1 and "return_token_ids" not in sent[0]
 
 
@@ -359,7 +361,7 @@ def test_refusal_names_what_cannot_be_continued() -> None:
 def test_events_are_split_whole_whatever_the_chunking() -> None:
     stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     for size in (1, 2, 5, 13, len(stream)):
-        events = migration.SSEEvents()
+        events = SSEEvents()
         got = [e for i in range(0, len(stream), size) for e in events.feed(stream[i:i + size])]
         assert got == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"]
 

@@ -9,47 +9,21 @@ import json
 from typing import get_args
 
 import pytest
-from aiohttp import web
 from fastapi.testclient import TestClient
 
 from appliance.app import create_app
 from appliance.context import Context
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
-from tests.gateway.stub import StubUpstream
-
-
-class OneReadUpstream(StubUpstream):
-    """A vLLM-shaped stream whose events all leave in one write, as a loaded engine's socket delivers them to a
-    loaded gateway: three token chunks (with their ids when asked, as the gateway does for migration), the usage
-    event when asked, [DONE]."""
-
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        ids = bool(body.get("return_token_ids"))
-        head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "demo"}
-        events = []
-        for i, text in enumerate((" a", " b", " c")):
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length" if i == 2 else None,
-                      "stop_reason": None}
-            if ids:
-                choice["token_ids"] = [11 + i]
-                if i == 0:
-                    choice["prompt_token_ids"] = [1, 2, 3]
-            events.append({**head, "choices": [choice]})
-        if (body.get("stream_options") or {}).get("include_usage"):
-            events.append({**head, "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 6,
-                                                            "completion_tokens": 3}})
-        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
-                                      for e in events) + b"data: [DONE]\n\n")
-        return response
+from tests.fake_engine import CountingModel, FakeEngine
 
 
 @pytest.fixture
 def one_read_upstream():
-    upstream = OneReadUpstream().start()
+    """A vLLM-shaped stream whose events all leave in one write, as a loaded engine's socket delivers them to a
+    loaded gateway: three token chunks (with their ids when asked, as the gateway does for migration), the usage
+    event when asked, [DONE]."""
+    upstream = FakeEngine(model=CountingModel(pieces=(" a", " b", " c")), tokens=3, writes="one").start()
     yield upstream
     upstream.stop()
 
@@ -81,7 +55,7 @@ def test_the_events_of_one_upstream_read_reach_the_client_in_one_write(one_read_
     texts = [json.loads(e[6:])["choices"][0]["text"] for e in events if e.startswith(b"data: {") and b'"text"' in e]
     assert texts == [" a", " b", " c"]
     assert events[-1] == b"data: [DONE]"
-    assert b"token_ids" not in bodies[0]
+    assert b'token_ids":[' not in bodies[0]  # the ids the gateway asked for: null, as vLLM writes them unasked
     assert (b'"usage"' in bodies[0]) is client_asks_usage
 
 

@@ -1,7 +1,7 @@
-"""Per-tenant accounting, the gateway's own logic, against a fake engine that answers the way vLLM 0.32 does where it
-matters here (compact JSON events, a final usage event only when asked for, ``system_fingerprint`` on the finishing
-chunk without it and on the usage event with it, events split across reads). Real engines:
-tests/integration/test_tenants.py.
+"""Per-tenant accounting, the gateway's own logic, against the fake engine (tests/fake_engine.py), which answers the
+way vLLM 0.32 does where it matters here (compact JSON events, a final usage event only when asked for,
+``system_fingerprint`` on the finishing chunk without it and on the usage event with it; here events split across
+reads). Real engines: tests/integration/test_tenants.py.
 
 - A stream whose client did not ask for usage is sent to the engine asking for it; the client's bytes are exactly
   those the engine sends a client that did not ask (on the plain relay and on the migratable one).
@@ -11,9 +11,7 @@ tests/integration/test_tenants.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -22,12 +20,13 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.context import context_of
-from appliance.gateway import migration
-from appliance.gateway.tenants.accounting import HiddenUsage, TenantAccounting, Usage, ask_for_usage, final_usage
+from appliance.gateway.tenants.accounting import TenantAccounting
+from appliance.gateway.tenants.usage import HiddenUsage, Usage, ask_for_usage, final_usage
+from appliance.gateway.upstream.sse import DONE, SSEEvents
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.fake_engine import CountingModel, Failure, FakeEngine, tokenize
 from tests.gateway.live import LiveGateway
-from tests.gateway.migration_engine import Failure, TokenEngine, render_chat, tokenize
 
 FINGERPRINT = "fp_0123abcd"
 TENANTS = [{"name": "team-a", "api_keys": ["key-a"]}, {"name": "team-b", "api_keys": ["key-b"], "weight": 2}]
@@ -35,115 +34,13 @@ A = {"authorization": "Bearer key-a", "content-type": "application/json"}
 B = {"authorization": "Bearer key-b", "content-type": "application/json"}
 
 
-def _dumps(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-class VllmLikeEngine:
-    """Deterministic answers in vLLM's shape: ``prompt_tokens`` = characters of the prompt, ``max_tokens`` tokens
-    (5 by default), ``cached`` prompt tokens reported in ``prompt_tokens_details``."""
-
-    def __init__(self, cached: int = 3) -> None:
-        self.cached = cached
-        self.received: list[bytes] = []
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._runner = None
-
-    def start(self) -> VllmLikeEngine:
-        from aiohttp import web
-
-        ready = threading.Event()
-
-        def serve() -> None:
-            asyncio.set_event_loop(self._loop)
-            app = web.Application()
-            app.router.add_post("/v1/completions", self._answer)
-            app.router.add_post("/v1/chat/completions", self._answer)
-            self._runner = web.AppRunner(app)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-
-        threading.Thread(target=serve, daemon=True).start()
-        ready.wait(10)
-        return self
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def usage(self, body: dict) -> dict:
-        chat = "messages" in body
-        prompt = len(body["messages"][0]["content"]) if chat else len(body["prompt"])
-        completion = body.get("max_tokens") or 5
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
-
-    async def _answer(self, request):
-        from aiohttp import web
-
-        raw = await request.read()
-        self.received.append(raw)
-        body = json.loads(raw)
-        chat = "messages" in body
-        head = {"id": "cmpl-fixed", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
-                "model": "demo"}
-        usage = self.usage(body)
-        count = usage["completion_tokens"]
-        if not body.get("stream"):
-            choice = {"index": 0, "text": "x" * count, "finish_reason": "length"}
-            return web.Response(body=_dumps({**head, "object": "chat.completion" if chat else "text_completion",
-                                             "choices": [choice], "usage": usage,
-                                             "system_fingerprint": FINGERPRINT}),
-                                content_type="application/json")
-        options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage"))
-        ids = bool(body.get("return_token_ids"))
-        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await response.prepare(request)
-
-        async def send(event: bytes) -> None:  # in two pieces: the gateway must put them back together
-            middle = len(event) // 2
-            await response.write(event[:middle])
-            await asyncio.sleep(0.002)
-            await response.write(event[middle:])
-
-        if chat:
-            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-            if ids:
-                first["prompt_token_ids"] = list(range(usage["prompt_tokens"]))
-            await send(b"data: " + _dumps(first) + b"\n\n")
-        for i in range(count):
-            last = i == count - 1
-            choice: dict = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
-            choice.update(logprobs=None, finish_reason="length" if last else None)
-            if ids:
-                choice["token_ids"] = [100 + i]
-                if not chat and i == 0:
-                    choice["prompt_token_ids"] = list(range(usage["prompt_tokens"]))
-            chunk: dict = {**head, "choices": [choice]}
-            if last and not include_usage:
-                chunk["system_fingerprint"] = FINGERPRINT
-            await send(b"data: " + _dumps(chunk) + b"\n\n")
-        if include_usage:
-            await send(b"data: " + _dumps({**head, "choices": [], "usage": usage,
-                                           "system_fingerprint": FINGERPRINT}) + b"\n\n")
-        await send(b"data: [DONE]\n\n")
-        return response
-
-
 @pytest.fixture
 def engine():
-    fake = VllmLikeEngine().start()
+    """Deterministic answers in vLLM's shape (the same id and created every time, so two answers to one request are
+    byte-identical), ``cached`` prompt tokens reported in ``prompt_tokens_details``, every event in two writes (the
+    gateway must put them back together)."""
+    fake = FakeEngine(model=CountingModel(), system_fingerprint=FINGERPRINT, cached_tokens=3, response_id="cmpl-fixed",
+                      created=1, writes="split").start()
     yield fake
     fake.stop()
 
@@ -162,7 +59,7 @@ def tokens(client: TestClient, tenant: str, kind: str) -> float:
                                                             {"tenant": tenant, "kind": kind})
 
 
-def direct(engine: VllmLikeEngine, path: str, body: dict) -> bytes:
+def direct(engine: FakeEngine, path: str, body: dict) -> bytes:
     import httpx
 
     return httpx.post(engine.url + path, content=json.dumps(body), timeout=10).content
@@ -182,12 +79,12 @@ def test_usage_is_asked_for_and_hidden_client_bytes_as_without(engine, route, mi
     with gateway(engine, migration_limit) as client:
         answer = client.post(path, content=json.dumps(body), headers=A)
         assert answer.status_code == 200
-        sent = json.loads(engine.received[-1])
+        sent = engine.received[-1].body
         assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
         expected = direct(engine, path, body)  # what the engine sends a client that did not ask for usage
         assert b'"usage"' not in expected and FINGERPRINT.encode() in expected
         assert answer.content == expected
-        usage = VllmLikeEngine().usage(body)
+        usage = engine.usage(body)
         assert tokens(client, "team-a", "prompt") == usage["prompt_tokens"]
         assert tokens(client, "team-a", "completion") == usage["completion_tokens"]
         assert tokens(client, "team-a", "cached_prompt") == 3
@@ -203,9 +100,9 @@ def test_a_client_that_asked_for_usage_keeps_it(engine, route, migration_limit):
         answer = client.post(path, content=json.dumps(body), headers=B)
         assert answer.status_code == 200
         if migration_limit == 0:
-            assert engine.received[-1] == json.dumps(body).encode()  # the client's bytes, untouched
+            assert engine.received[-1].raw == json.dumps(body).encode()  # the client's bytes, untouched
         assert answer.content == direct(engine, path, body)
-        usage = VllmLikeEngine().usage(body)
+        usage = engine.usage(body)
         assert tokens(client, "team-b", "prompt") == usage["prompt_tokens"]
         assert tokens(client, "team-b", "completion") == usage["completion_tokens"]
 
@@ -218,7 +115,7 @@ def test_counters_are_the_sum_of_what_the_engine_reported_per_tenant(engine):
             path, body = BODIES["chat" if i % 2 else "completions"]
             body = {**body, "max_tokens": 1 + i, "stream": i % 4 != 0}
             assert client.post(path, json=body, headers=auth).status_code == 200
-            expected[tenant] = expected[tenant] + Usage.of(VllmLikeEngine().usage(body))
+            expected[tenant] = expected[tenant] + Usage.of(engine.usage(body))
         for tenant, usage in expected.items():
             assert tokens(client, tenant, "prompt") == usage.prompt
             assert tokens(client, tenant, "completion") == usage.completion
@@ -244,7 +141,7 @@ def test_a_continued_stream_counts_what_each_engine_reported():
     """The first leg broke before its usage: not counted. The continuation's engine reports its own prompt (the
     original prompt plus the tokens already sent, prefilled again) and the rest of the answer: counted."""
     failures = [Failure(after=3)]
-    engines = [TokenEngine(failures=failures).start() for _ in range(2)]
+    engines = [FakeEngine(failures=failures).start() for _ in range(2)]
     try:
         replicas = [FakeReplica(f"replica-{i}", e.url) for i, e in enumerate(engines)]
         settings = Settings(served_model_name="demo", tenants=TENANTS, routing={"migration_limit": 1},
@@ -257,7 +154,7 @@ def test_a_continued_stream_counts_what_each_engine_reported():
             with httpx.stream("POST", live.url + "/v1/completions", json=body, headers=A, timeout=30) as response:
                 payload = response.read()
             assert b'"usage"' not in payload and payload.endswith(b"data: [DONE]\n\n")
-            legs = [b for e in engines for path, b in e.received if path == "/v1/completions"]
+            legs = [r.body for e in engines for r in e.received if r.path == "/v1/completions"]
             assert len(legs) == 2
             continuation = next(b for b in legs if isinstance(b["prompt"], list))
             assert continuation["stream_options"]["include_usage"] is True
@@ -269,7 +166,6 @@ def test_a_continued_stream_counts_what_each_engine_reported():
     finally:
         for e in engines:
             e.stop()
-    assert render_chat  # the fake engine's chat rendering is covered in test_migration.py
 
 
 # -- the pieces -------------------------------------------------------------------------------------------------------
@@ -289,13 +185,13 @@ def test_hidden_usage_moves_the_fingerprint_and_drops_only_the_usage_event():
               b'data: {"id":"a","choices":[{"index":0,"text":"y","finish_reason":"stop"}]}\n\n',
               b'data: {"id":"a","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":2},'
               b'"system_fingerprint":"fp"}\n\n',
-              migration.DONE]
+              DONE]
     stream = b"".join(events)
     for cut in range(1, len(stream)):  # wherever the reads split the events
-        hidden, splitter, out = HiddenUsage(), migration.SSEEvents(), b""
+        hidden, splitter, out = HiddenUsage(), SSEEvents(), b""
         for piece in (stream[:cut], stream[cut:]):
             out += hidden.feed(b"".join(splitter.feed(piece)))
-        assert out == (events[0] + events[1][:-3] + b',"system_fingerprint":"fp"}\n\n' + migration.DONE)
+        assert out == (events[0] + events[1][:-3] + b',"system_fingerprint":"fp"}\n\n' + DONE)
         assert hidden.usage == {"prompt_tokens": 2, "completion_tokens": 2}
 
 
@@ -304,7 +200,7 @@ def test_a_held_finish_is_given_back_when_no_usage_comes():
     finish = b'data: {"choices":[{"index":0,"text":"y","finish_reason":"length"}]}\n\n'
     assert hidden.feed(finish) == b""
     assert hidden.flush() == finish
-    assert hidden.feed(finish) == b"" and hidden.feed(migration.DONE) == finish + migration.DONE
+    assert hidden.feed(finish) == b"" and hidden.feed(DONE) == finish + DONE
 
 
 def test_only_the_final_usage_event_is_a_report():
@@ -358,7 +254,7 @@ def _vllm_chat_stream(tokens: int, choices: int) -> tuple[list[bytes], bytes]:
             '"system_fingerprint":"fp"}\n\n'
     expected = b"".join(events).replace(b'"finish_reason":"length"}]}',
                                           b'"finish_reason":"length"}],"system_fingerprint":"fp"}')
-    return [*events, usage.encode(), migration.DONE], expected + migration.DONE
+    return [*events, usage.encode(), DONE], expected + DONE
 
 
 @pytest.mark.parametrize("choices", [1, 2])
@@ -374,7 +270,7 @@ def test_hiding_usage_gives_the_client_its_bytes_however_the_reads_cut_the_strea
     for _ in range(300):
         cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(1, 60)))
         reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
-        framing, hide, sent = migration.SSEEvents(), HiddenUsage(), []
+        framing, hide, sent = SSEEvents(), HiddenUsage(), []
         for read in reads:
             sent.append(hide.feed(framing.feed_block(read)))
         sent.append(hide.flush() + framing.pending)

@@ -257,6 +257,19 @@ def run_scenario(url: str, disturb: Callable[[str], None], what: str, *, replica
     # A continuation built from the wrong tokens (one dropped or repeated at the break) would change every moved
     # stream right at its break; a greedy near tie flipped by the continuation's prefill numerics changes a few.
     assert len(victim_identical) * 2 >= len(on_victim), f"most streams on {victim} differ from the undisturbed run"
+    assert_records_show_the_moves(url, victim, continued, reason)
+
+
+def assert_records_show_the_moves(url: str, victim: str, continued: int, reason: str | None) -> None:
+    """The request records (GET /admin/requests) tell each moved stream's story: the attempt on the struck replica
+    ended as migrated, and the migration names where it went and why."""
+    held = httpx.get(f"{url}/admin/requests", params={"limit": 1000, "replica": victim}, headers=ADMIN,
+                     timeout=30).json()["requests"]
+    moves = [m for r in held for m in r["migrations"] if m["from_replica"] == victim]
+    assert len(moves) >= continued, (continued, moves)
+    for move in moves:
+        assert move["to_replica"] not in (None, victim) and move["outcome"] == "continued", move
+        assert reason is None or move["reason"] == reason, move
 
 
 def test_streams_survive_a_sigkilled_engine_token_exact(appliance):

@@ -72,6 +72,27 @@ def test_both_replicas_serve_traffic(appliance):
     assert set(served_by) == {"replica-0", "replica-1"}
 
 
+def test_the_request_record_names_the_filter_that_kept_a_drained_replica_out(appliance):
+    """The question on-call asks ("why did this request go there?"), answered by the record of one request sent
+    while replica-0 is drained: the ready filter removed it, replica-1 took it, the answer names both."""
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    assert httpx.post(f"{appliance.url}/admin/replicas/replica-0/drain", headers=admin, timeout=30).status_code == 200
+    try:
+        response = httpx.post(f"{appliance.url}/v1/completions", timeout=60,
+                              headers={"x-request-id": "drained-filter-check"},
+                              json={"model": "demo", "prompt": "Exceptions", "max_tokens": 4})
+    finally:
+        httpx.post(f"{appliance.url}/admin/replicas/replica-0/undrain", headers=admin, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-appliance-replica"] == "replica-1"
+    assert response.headers["x-appliance-request-id"] == "drained-filter-check"
+    record = httpx.get(f"{appliance.url}/admin/requests/drained-filter-check", headers=admin, timeout=30).json()
+    decision = record["attempts"][0]["decision"]
+    assert decision["removed"] == {"replica-0": "ready"}, decision
+    assert decision["picked"] == "replica-1" and decision["candidates"] == ["replica-0", "replica-1"]
+    assert record["status"] == 200 and record["ttft_seconds"] is not None and record["e2e_seconds"] > 0
+
+
 def test_killed_engine_is_restarted_while_the_appliance_keeps_answering(appliance):
     victim = appliance.vllm_server_pid(0)
     failures: list[str] = []

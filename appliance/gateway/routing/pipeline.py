@@ -57,7 +57,8 @@ class RoundRobinPolicy:
                ) -> Decision:
         replica = candidates[self._turn % len(candidates)]
         self._turn += 1
-        return Decision(replica.name, 0.0, "round_robin" if len(candidates) > 1 else "single")
+        return Decision(replica.name, 0.0, "round_robin" if len(candidates) > 1 else "single",
+                        scored=[r.name for r in candidates])
 
 
 class WeightedPolicy:
@@ -85,13 +86,15 @@ class WeightedPolicy:
     def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
                ) -> Decision:
         balanced = self._balanced(request)
-        held_back = False
+        held_back: list[tuple[str, str]] = []
         if balanced:
             assert self.balance is not None
             kept = self.balance.within(candidates)
-            held_back = len(kept) < len(candidates)
+            if len(kept) < len(candidates):
+                held_back = _left_out(candidates, kept)
             candidates = kept
-        scores = {name: _neutral(s.scores(candidates, view, request)) for name, s in self._all.items()}
+        raw = {name: s.scores(candidates, view, request) for name, s in self._all.items()}
+        scores = {name: _neutral(values) for name, values in raw.items()}
         totals = [sum(w * scores[s.name][i] for s, w in self.weighted) for i in range(len(candidates))]
         fewer = [-self.balance.taken(r.name) if balanced and self.balance else 0 for r in candidates]
         keys = [(round(totals[i], _TOTAL_DIGITS), *(scores[t.name][i] for t in self.tie_breakers), fewer[i], -i)
@@ -109,7 +112,8 @@ class WeightedPolicy:
         if balanced:
             assert self.balance is not None
             self.balance.chosen(replica.name)
-        return Decision(replica.name, totals[best], decided, prefix)
+        return Decision(replica.name, totals[best], decided, prefix, removed=held_back,
+                        scored=[r.name for r in candidates], scores=raw, totals=totals)
 
     def _decider(self, keys: list[tuple[float, ...]], scores: dict[str, list[float]], best: int, runner_up: int) -> str:
         if keys[best][0] != keys[runner_up][0]:  # the weighted totals differ: the largest weighted difference
@@ -124,6 +128,12 @@ class WeightedPolicy:
         if keys[best][-2] != keys[runner_up][-2]:
             return "tie_balance"
         return "index"
+
+
+def _left_out(candidates: Sequence[Replica], kept: Sequence[Replica]) -> list[tuple[str, str]]:
+    """The candidates the balance bound left out, as the decision shows them."""
+    names = {r.name for r in kept}
+    return [(r.name, "balance") for r in candidates if r.name not in names]
 
 
 def _neutral(scores: list[Score]) -> list[float]:

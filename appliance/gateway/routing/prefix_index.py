@@ -10,7 +10,7 @@ Per replica, the index models that replica's engine cache: one ``OrderedDict`` o
 used order, holding no more blocks than the engine's KV cache can (its capacity, once the engine's /metrics told
 it: ``set_capacity``), evicted least recently used first, as vLLM evicts freed prefix blocks. Without that bound
 the index would remember what the gateway sent long after the engine evicted it, and keep sending conversations
-back to a replica that no longer holds them (issue 25). Until a replica's capacity is known, only the memory
+back to a replica that no longer holds them. Until a replica's capacity is known, only the memory
 budget applies.
 
 The memory budget (``ENTRY_BYTES`` per block and replica, measured: see tests/gateway/test_routing_prefix_index.py

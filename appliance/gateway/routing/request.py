@@ -17,14 +17,45 @@ _MESSAGE_END = "\x1e"  # record separator: cannot be confused with the text of a
 _ROLE_END = "\x1f"
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
-    """Why a replica was chosen: for the span attribute and the decision metrics."""
+    """Why a replica was chosen: for the span attribute, the decision metrics and the request record.
+
+    The explanation (every replica considered, the filter that removed each one left out, every scorer's value
+    for the rest) is kept as the lists and the dict the router computed anyway, aligned by position: it is made
+    on every request, and read only when an operator asks (``to_json``), so the dicts keyed by replica are built
+    then, not here.
+    """
 
     replica: str
     score: float  # the chosen replica's weighted total (round robin: 0)
-    decided_by: str  # the scorer that separated winner and runner-up, "tie_breaker:<name>", "index", "single"
+    decided_by: str  # the scorer that separated winner and runner-up, "tie_<name>", "index", "single", ...
     prefix_match: float | None = None  # the chosen replica's matched prefix share, when the prefix scorer ran
+    considered: list[str] = field(default_factory=list)  # every replica the router had, in its order
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (replica, first filter that removed it)
+    scored: list[str] = field(default_factory=list)  # the candidates that reached the policy, in order
+    scores: dict[str, list[float | None]] = field(default_factory=dict)  # scorer -> unweighted, as ``scored``
+    totals: list[float] = field(default_factory=list)  # weighted totals, as ``scored`` (round robin: none)
+
+    def removed_by(self) -> dict[str, str]:
+        """Replica -> the name of the filter (or ``balance``) that left it out."""
+        return dict(self.removed)
+
+    def scores_by_replica(self) -> dict[str, dict[str, float | None]]:
+        """Replica -> scorer -> its unweighted score (None: the scorer could not tell; neutral in the total).
+        Empty for a policy without scorers (round robin)."""
+        if not self.scores:
+            return {}
+        return {name: {scorer: values[i] for scorer, values in self.scores.items()}
+                for i, name in enumerate(self.scored)}
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision explained, JSON-ready: candidates (all considered), removed {replica: filter}, scores
+        {replica: {scorer: value}}, totals {replica: weighted total}, picked, decided_by, total."""
+        return {"candidates": list(self.considered), "removed": self.removed_by(),
+                "scores": self.scores_by_replica(), "totals": dict(zip(self.scored, self.totals, strict=False)),
+                "picked": self.replica, "decided_by": self.decided_by, "total": self.score,
+                "prefix_match": self.prefix_match}
 
 
 @dataclass

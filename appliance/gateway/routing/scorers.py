@@ -170,7 +170,7 @@ class CacheRoomScorer(_Stateless):
 
     Placing such a prompt on a full replica evicts its least recently used conversation, which will come back and
     miss. A replica that just restarted has an empty cache: new conversations belong there, and the conversations
-    the other replica kept stay where they hit. Measured on 2 real engines (bench/prefix_routing.py, issue 25): in
+    the other replica kept stay where they hit. Measured on 2 real engines (bench/prefix_routing.py): in
     the round after a replica rejoined, the load scorer had sent the unmatched prompts to both replicas alike, and
     each one sent to the full replica evicted one that was still to come."""
 

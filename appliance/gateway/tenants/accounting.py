@@ -18,9 +18,7 @@ from anything a client sends; every configured tenant's series exist from the st
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,42 +26,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.gateway import migration
 from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.gateway.tenants.quota import LIMITS
+from appliance.gateway.tenants.usage import Usage
 
 KINDS = ("prompt", "completion", "cached_prompt")  # appliance_tenant_tokens_total's ``kind``
 STARTING_CODES = ("200", "429")  # requests series created for every tenant up front (others appear when seen)
-
-
-@dataclass
-class Usage:
-    """Tokens of one engine usage report."""
-
-    prompt: int = 0
-    completion: int = 0
-    cached_prompt: int = 0
-
-    @classmethod
-    def of(cls, usage: Any) -> Usage | None:
-        """From an OpenAI ``usage`` object; None when there is none."""
-        if not isinstance(usage, dict):
-            return None
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return cls(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))
-
-    @property
-    def total(self) -> int:
-        return self.prompt + self.completion
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(self.prompt + other.prompt, self.completion + other.completion,
-                     self.cached_prompt + other.cached_prompt)
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 @dataclass
@@ -160,98 +128,3 @@ class _QuotaCollector(Collector):
         for tenant, limit, ratio in self._ratios():
             gauge.add_metric([tenant, limit], ratio)
         yield gauge
-
-
-# -- usage on streams -----------------------------------------------------------------------------------------------
-
-# A quote inside a JSON string is escaped, so neither can match inside generated text.
-FINISH = re.compile(rb'"finish_reason": ?"')  # a chunk that ends a choice
-USAGE = b'"usage"'  # a chunk that may carry usage (parsed to be sure)
-
-
-def ask_for_usage(body: bytes, parsed: dict[str, Any]) -> bytes | None:
-    """A streaming request's bytes asking the engine for the final usage event too; None when the client asked for
-    it itself (nothing to change). Its other stream options are kept, except ``continuous_usage_stats`` (usage on
-    every chunk, which the client did not ask for either). The key is appended: the last one wins in vLLM's
-    parser, as for ``migration.with_token_ids``."""
-    options = parsed.get("stream_options")
-    options = options if isinstance(options, dict) else {}
-    if options.get("include_usage"):
-        return None
-    wanted = {**options, "include_usage": True, "continuous_usage_stats": False}
-    end = body.rstrip().rfind(b"}")
-    head = body[:end].rstrip()
-    separator = b"" if head.endswith(b"{") else b","
-    return head + separator + b'"stream_options":' + json.dumps(wanted, separators=(",", ":")).encode() + b"}"
-
-
-def final_usage(event: bytes) -> dict[str, Any] | None:
-    """The usage of a stream's final usage event (``"choices": []`` with ``usage``), None for any other event
-    (continuous usage stats on content chunks are running totals, not counted)."""
-    if USAGE not in event:
-        return None
-    data = migration.payload(event)
-    try:
-        obj = json.loads(data) if data else None
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("choices") or not isinstance(obj.get("usage"), dict):
-        return None
-    return obj
-
-
-def split_events(data: bytes) -> Iterator[bytes]:
-    """Whole events (``...\n\n``) of bytes made of whole events."""
-    start = 0
-    while (end := data.find(b"\n\n", start)) >= 0:
-        yield data[start:end + 2]
-        start = end + 2
-    if start < len(data):
-        yield data[start:]
-
-
-class HiddenUsage:
-    """Hides the usage event the gateway asked for, so the client's bytes are those it would have had without it.
-
-    vLLM puts ``system_fingerprint`` on a stream's finishing chunk when no usage event follows, and on the usage
-    event when one does. So a finishing chunk (and whatever follows it) is held until the usage event comes; the
-    fingerprint moves onto the finishing chunks (as their last key, where vLLM writes it), the usage event is
-    dropped. Fed whole events; returns the bytes to send now. ``flush`` gives back what is held (the stream ended
-    or broke without a usage event)."""
-
-    def __init__(self) -> None:
-        self._held: list[bytes] = []
-        self.usage: dict[str, Any] | None = None  # the last usage event's usage (the engine's report)
-
-    def feed(self, events: bytes) -> bytes:
-        if not self._held and USAGE not in events and FINISH.search(events) is None:
-            return events  # token chunks, nothing to hold or hide: one scan of the block, no event-by-event work
-        out = b""
-        for event in split_events(events):
-            final = final_usage(event)
-            if final is not None:
-                self.usage = final["usage"]
-                fingerprint = final.get("system_fingerprint")
-                out += b"".join(_with_fingerprint(held, fingerprint) for held in self._held)
-                self._held = []
-            elif self._held or FINISH.search(event):
-                if event == migration.DONE:
-                    out += self.flush() + event
-                else:
-                    self._held.append(event)
-            else:
-                out += event
-        return out
-
-    def flush(self) -> bytes:
-        held, self._held = self._held, []
-        return b"".join(held)
-
-
-def _with_fingerprint(event: bytes, fingerprint: Any) -> bytes:
-    if not isinstance(fingerprint, str) or not FINISH.search(event) or b'"system_fingerprint"' in event:
-        return event
-    body = event.rstrip(b"\n")
-    if not body.endswith(b"}"):
-        return event
-    return body[:-1] + b',"system_fingerprint":' + json.dumps(fingerprint).encode() + b"}\n\n"

@@ -1,0 +1,87 @@
+"""The gateway built from the settings: the one place that reads the gateway, routing, admission, tenants and
+engine sections together, and the one place that declares the request path's hooks and their order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
+
+from appliance.engine.contract import Replica
+from appliance.engine.load import EngineLoadPoller
+from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.core import Gateway
+from appliance.gateway.event_loop import EventLoopLag
+from appliance.gateway.fleet_metrics import FleetCollector
+from appliance.gateway.hooks.metering import Metering
+from appliance.gateway.hooks.migration import Migration
+from appliance.gateway.hooks.observation import Observation
+from appliance.gateway.hooks.record import Recording
+from appliance.gateway.metrics import RequestMetrics
+from appliance.gateway.records import RequestRecords
+from appliance.gateway.router import Router
+from appliance.gateway.settings import GatewaySettings
+from appliance.gateway.tenants.accounting import TenantAccounting
+from appliance.gateway.tenants.directory import TenantDirectory
+from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tracing import build_tracer_provider
+from appliance.gateway.upstream.exchange import Hook
+from appliance.gateway.upstream.transport import Upstream
+from appliance.settings import Settings
+
+
+def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,
+                  span_exporter: SpanExporter | None = None) -> Gateway:
+    limits = ConcurrencyLimits(_limit_factory(settings))
+    router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
+    admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
+                          else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds,
+                          drift_seconds=settings.admission.slot_drift_seconds,
+                          fair_share=settings.admission.fair_share,
+                          share_window_seconds=settings.admission.share_window_seconds)
+    slo = settings.gateway.slo_ttft_p95_seconds
+    request_metrics = RequestMetrics(registry, slo_ttft_seconds=slo)
+    tenants = TenantDirectory(settings.tenants, settings.gateway.api_keys)
+    quotas = Quotas(tenants.tenants())
+    accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=quotas.ratios)
+    accounting.configure(tenant.name for tenant in tenants.tenants())
+    tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
+    records = RequestRecords(settings.gateway.request_records)
+    migration = Migration(request_metrics, limit=settings.routing.migration_limit,
+                          max_model_len=settings.engine.max_model_len)
+    # The request path's hooks, in the order they run on the request's side (the response's side runs them in
+    # reverse): observation first, so it sees every other hook's doing and the client's bytes last; migration
+    # next to the record, nearest the engine, so the others see the continued stream as the client gets it; the
+    # record last on the request's side, so it sees every decision made before it.
+    hooks: list[Hook] = [Observation(request_metrics, tracer_provider.get_tracer("appliance.gateway"),
+                         tracing=_records_traces(settings.gateway, span_exporter)),
+             Metering(accounting, quotas, admission),
+             migration,
+             Recording(records)]
+    upstream = Upstream(admission, hooks,
+                        timeout_seconds=settings.gateway.request_timeout_seconds,
+                        idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
+                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds)
+    migration.placement = upstream
+    registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
+                                     upstream.open_requests))
+    poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
+                              on_poll=admission.on_poll)
+    event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
+    return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
+                   event_loop, records=records)
+
+
+def _records_traces(settings: GatewaySettings, exporter: SpanExporter | None) -> bool:
+    return bool(settings.otlp_traces_endpoint or exporter) and settings.trace_sample_ratio > 0
+
+
+def _limit_factory(settings: Settings) -> Callable[[], AIMDLimit] | None:
+    admission = settings.admission
+    if not admission.enabled:
+        return None
+    ceiling = admission.max_limit or settings.engine.max_num_seqs
+    initial = admission.initial_limit or ceiling
+    target = settings.gateway.slo_ttft_p95_seconds * admission.target_ttft_fraction
+    return lambda: AIMDLimit(initial, admission.min_limit, ceiling, target, admission.decrease_factor)

@@ -1,0 +1,113 @@
+"""One client request on its way through the gateway, and each attempt to have a replica answer it.
+
+Ownership: the ``Exchange`` holds the current attempt's slot lease and upstream response until it hands both to
+the ``RelayedStream`` that serves a stream; whatever it still holds when the transport's ``forward`` ends (the
+client left, an error, a cancellation at any await, a response built but never returned) is settled there, in one
+place. The stream settles what it holds when it is served, including when its body was never iterated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+from fastapi import Request
+
+from appliance.engine.contract import Replica
+from appliance.gateway.router import Outcome
+from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.slots import Lease
+from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
+from appliance.gateway.tenants.directory import Tenant
+from appliance.gateway.tenants.usage import Usage
+from appliance.gateway.tracing import UNTRACED, RequestTrace
+from appliance.gateway.upstream.hook import Attempt, HookChain, RequestHook
+
+
+@dataclass(eq=False)  # one object per request, compared and hashed by identity (the transport's open set)
+class Exchange:
+    """One client request: what it is, whose it is, and what the transport holds for it right now."""
+
+    route: str
+    path: str
+    body: bytes
+    stream: bool
+    arrived: float  # monotonic
+    headers: dict[str, str]
+    request: Request
+    routing: RoutingRequest
+    tenant: Tenant = DEFAULT_TENANT  # whose request (the API key's tenant; appliance.gateway.tenants)
+    hooks: HookChain = field(default_factory=lambda: HookChain(()))
+    trace: RequestTrace = UNTRACED  # the request's spans (the observation hook's; untraced without it)
+    tried: set[str] = field(default_factory=set)
+    dispatched: float = 0.0  # monotonic: when the current attempt's replica was assigned
+    attempts: list[Attempt] = field(default_factory=list)
+    lease: Lease | None = None  # the slot of the current attempt, until settled
+    upstream: aiohttp.ClientResponse | None = None  # the current attempt's response, until settled
+    handed_off: bool = False  # a RelayedStream owns the lease and upstream from here on
+    counted: bool = False  # the request's end was reported to the hooks (once)
+    migration_limit: int = 0  # continuations and re-runs this request may be given (0: none)
+    migrations: int = 0  # continuations and re-runs it was given
+    usage: Usage | None = None  # what the engines reported, every leg (None: no report yet)
+
+    def reported(self, usage: object) -> None:
+        """One engine usage report for this request (a continued stream has one per leg)."""
+        found = Usage.of(usage)
+        if found is not None:
+            self.usage = found if self.usage is None else self.usage + found
+
+    @property
+    def replica(self) -> Replica:
+        assert self.lease is not None, "no replica assigned"
+        return self.lease.replica
+
+    @property
+    def attempt(self) -> Attempt:
+        return self.attempts[-1]
+
+    def begin(self, lease: Lease, queue_wait: float, kind: str) -> Attempt:
+        """A replica took the request: a new attempt."""
+        self.lease = lease
+        self.dispatched = time.monotonic()
+        decision = self.routing.decision
+        attempt = Attempt(lease.replica.name, self.dispatched, queue_wait,
+                          decision if decision is not None and decision.replica == lease.replica.name else None,
+                          kind)
+        self.attempts.append(attempt)
+        self.hooks.admitted(attempt)
+        return attempt
+
+    def end_attempt(self, outcome: Outcome, reason: str, sent_tokens: int = 0) -> None:
+        """The current attempt ended without an answer for the client; the hooks hear why."""
+        if not self.attempts:
+            return
+        attempt = self.attempts[-1]
+        if attempt.outcome is None:
+            attempt.outcome, attempt.reason, attempt.sent_tokens = outcome, reason, sent_tokens
+            self.hooks.attempt_ended(attempt)
+
+    def settle(self, outcome: Outcome, ttft_seconds: float | None = None) -> None:
+        """Give back what the current attempt holds: the upstream connection (kept for reuse only after a
+        complete answer; closing it makes vLLM abort the request) and the slot. Safe to call any number of times."""
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            if outcome is Outcome.SUCCESS or outcome is Outcome.CLIENT_ERROR:
+                upstream.release()
+            else:
+                upstream.close()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release(outcome, ttft_seconds)
+
+
+class Hook(Protocol):
+    """A concern on the request path, built once in the composition root."""
+
+    name: str
+
+    def start(self, exchange: Exchange) -> RequestHook | None:
+        """This request's part (None: not this hook's business). May rewrite ``exchange.body`` or refuse the
+        request by raising ``APIError``."""
+        ...
