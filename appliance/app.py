@@ -28,7 +28,7 @@ from appliance.composition.maintenance import build_maintenance
 from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
-from appliance.gateway.limits import BodyBudget, RequestIntake
+from appliance.gateway.intake.limits import BodyBudget, RequestIntake
 from appliance.http.auth import api_docs_urls
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes

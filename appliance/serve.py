@@ -34,7 +34,7 @@ from appliance.composition.fleet import build_dns_fleet, build_supervisor
 from appliance.context import context_of
 from appliance.engine.contract import Fleet
 from appliance.engine.external import ExternalFleet
-from appliance.gateway.connections import GuardedHttpToolsProtocol
+from appliance.gateway.intake.connections import GuardedHttpToolsProtocol
 from appliance.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options that come from the settings: the connection level of the intake (header timeout and
     size, the connection cap, closing after an answer given before the body ended; see
-    appliance/gateway/connections.py). uvicorn's own ``limit_concurrency`` is not used: it answers plain text
+    appliance/gateway/intake/connections.py). uvicorn's own ``limit_concurrency`` is not used: it answers plain text
     without Retry-After."""
     intake = settings.intake
     return {"http": GuardedHttpToolsProtocol.configured(

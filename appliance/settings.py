@@ -33,7 +33,10 @@ from pydantic_settings import (
 
 from appliance.collectors.settings import CollectorSettings
 from appliance.engine.settings import DiscoverySettings, EngineSettings
-from appliance.gateway.settings import AdmissionSettings, GatewaySettings, IntakeSettings, RoutingSettings
+from appliance.gateway.admission.settings import AdmissionSettings
+from appliance.gateway.intake.settings import IntakeSettings
+from appliance.gateway.routing.settings import RoutingSettings
+from appliance.gateway.settings import GatewaySettings
 from appliance.gateway.tenants.settings import TenantSettings, check_tenants
 from appliance.http.credentials import Credentials
 from appliance.maintenance.settings import MaintenanceSettings

@@ -44,11 +44,11 @@ from pathlib import Path
 
 import aiohttp
 
-from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest, render_chat
 from appliance.gateway.routing.prefix_index import PrefixIndex
+from appliance.gateway.routing.router import Outcome, Router
+from appliance.gateway.routing.settings import RoutingSettings
 from appliance.gateway.schemas import ChatMessage
-from appliance.gateway.settings import RoutingSettings
 from appliance.loadtest.client import RequestResult, build_body, monotonic_clock, stream_request
 from appliance.loadtest.stats import percentile
 from tests.doubles import FakeReplica

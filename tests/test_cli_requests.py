@@ -13,10 +13,10 @@ from appliance.app import create_app
 from appliance.cli import admin as cli_admin
 from appliance.cli import main
 from appliance.context import context_of
-from appliance.gateway.records import AttemptRecord, MigrationRecord, RequestRecord
-from appliance.gateway.router import Router
+from appliance.gateway.observation.records import AttemptRecord, MigrationRecord, RequestRecord
 from appliance.gateway.routes import requests as routes_requests
 from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.router import Router
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.live import LiveGateway

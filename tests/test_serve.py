@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.context import context_of
-from appliance.gateway.router import Outcome
+from appliance.gateway.routing.router import Outcome
 from appliance.serve import DrainingServer, in_flight
 from appliance.settings import Settings
 from tests.doubles import FakeReplica

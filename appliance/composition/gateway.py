@@ -10,22 +10,23 @@ from prometheus_client import CollectorRegistry
 
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoadPoller
-from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
+from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
+from appliance.gateway.admission.queue import Admission
 from appliance.gateway.core import Gateway
-from appliance.gateway.event_loop import EventLoopLag
-from appliance.gateway.fleet_metrics import FleetCollector
-from appliance.gateway.hooks.metering import Metering
-from appliance.gateway.hooks.migration import Migration
-from appliance.gateway.hooks.observation import Observation
-from appliance.gateway.hooks.record import Recording
-from appliance.gateway.metrics import RequestMetrics
-from appliance.gateway.records import RequestRecords
-from appliance.gateway.router import Router
+from appliance.gateway.migration.hook import Migration
+from appliance.gateway.observation.event_loop import EventLoopLag
+from appliance.gateway.observation.fleet_metrics import FleetCollector
+from appliance.gateway.observation.hook import Observation
+from appliance.gateway.observation.metrics import RequestMetrics
+from appliance.gateway.observation.recording import Recording
+from appliance.gateway.observation.records import RequestRecords
+from appliance.gateway.observation.tracing import build_tracer_provider
+from appliance.gateway.routing.router import Router
 from appliance.gateway.settings import GatewaySettings
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
+from appliance.gateway.tenants.metering import Metering
 from appliance.gateway.tenants.quota import Quotas
-from appliance.gateway.tracing import build_tracer_provider
 from appliance.gateway.upstream.exchange import Hook
 from appliance.gateway.upstream.transport import Upstream
 from appliance.settings import Settings

@@ -15,11 +15,11 @@ from typing import Any
 from opentelemetry.sdk.trace import TracerProvider
 
 from appliance.engine.load import EngineLoadPoller
-from appliance.gateway.admission import Admission
-from appliance.gateway.event_loop import EventLoopLag
-from appliance.gateway.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
-from appliance.gateway.records import RequestRecords
-from appliance.gateway.router import Router
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.observation.event_loop import EventLoopLag
+from appliance.gateway.observation.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
+from appliance.gateway.observation.records import RequestRecords
+from appliance.gateway.routing.router import Router
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas

@@ -5,8 +5,8 @@
 - the alerts token (optional): /admin/alerts only, Alertmanager's webhook, which then never holds the admin token;
 - the metrics token (optional, read-only): when set, /metrics and /sd/targets need it (Prometheus' credential).
 
-One policy, two callers. ``RequestIntake`` (appliance/gateway/limits.py) applies it to the request's headers before
-anything reads the body, so a stranger's body is never buffered; the routes' FastAPI dependencies
+One policy, two callers. ``RequestIntake`` (appliance/gateway/intake/limits.py) applies it to the request's
+headers before anything reads the body, so a stranger's body is never buffered; the routes' FastAPI dependencies
 (appliance/http/guards.py) apply the same functions again as defence in depth (a route mounted outside those
 prefixes still needs its dependency). The checks read one value, the live ``Credentials``, and nothing of the app."""
 

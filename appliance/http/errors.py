@@ -95,7 +95,7 @@ def install_error_handlers(app: FastAPI, on_error: ErrorHook | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # `code`: the intake's refusals (appliance/gateway/limits.py) are HTTPExceptions that carry one
+        # `code`: the intake's refusals (appliance/gateway/intake/limits.py) are HTTPExceptions that carry one
         return answer(request, exc.status_code, str(exc.detail), code=getattr(exc, "code", None),
                       headers=getattr(exc, "headers", None))
 

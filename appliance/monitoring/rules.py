@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from prometheus_client.utils import floatToGoString
 
-from appliance.gateway.metrics import LATENCY_BUCKETS
+from appliance.gateway.observation.metrics import LATENCY_BUCKETS
 from appliance.monitoring import files
 from appliance.monitoring.config import MonitoringConfig, MonitoringConfigError, parse_config
 from appliance.paths import ALERTS_DIR
@@ -56,7 +56,8 @@ def validate_config(config: MonitoringConfig | Mapping[str, Any]) -> MonitoringC
     if threshold not in LATENCY_BUCKETS:
         raise MonitoringConfigError(
             f"slos.ttft.threshold_seconds={threshold:g} is not a bucket bound of appliance_request_ttft_seconds "
-            f"(LATENCY_BUCKETS in appliance/gateway/metrics.py: {', '.join(f'{b:g}' for b in LATENCY_BUCKETS)})")
+            f"(LATENCY_BUCKETS in appliance/gateway/observation/metrics.py: "
+            f"{', '.join(f'{b:g}' for b in LATENCY_BUCKETS)})")
     return typed
 
 

@@ -64,7 +64,7 @@ def test_the_page_is_valid_and_follows_the_naming_contract(tmp_path: Path, idle_
 def test_names_do_not_clash_with_the_gateways_own(tmp_path: Path, idle_tree: EngineTree) -> None:
     registry, _ = build(tmp_path, idle_tree)
     ours = set(scrape(registry))
-    gateway = set(re.findall(r'"(appliance_[a-z_]+)"', (REPO / "appliance/gateway/metrics.py").read_text()))
+    gateway = set(re.findall(r'"(appliance_[a-z_]+)"', (REPO / "appliance/gateway/observation/metrics.py").read_text()))
     assert gateway and not ours & gateway
 
 

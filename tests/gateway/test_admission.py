@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
-from appliance.gateway.router import Outcome, Router
+from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.routing.router import Outcome, Router
 from appliance.http.errors import APIError
 from tests.doubles import FakeReplica
 

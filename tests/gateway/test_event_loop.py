@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.gateway.event_loop import EventLoopLag
+from appliance.gateway.observation.event_loop import EventLoopLag
 from appliance.settings import ConfigError, load_settings
 
 LAG = "appliance_event_loop_lag_seconds"

@@ -14,10 +14,11 @@ from collections import Counter
 import pytest
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
-from appliance.gateway.fleet_metrics import FleetCollector
-from appliance.gateway.router import Outcome, Router
-from appliance.gateway.slots import Lease
+from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.admission.slots import Lease
+from appliance.gateway.observation.fleet_metrics import FleetCollector
+from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.fair_share import VirtualClock, fair_allocation, share_bound
 from tests.doubles import FakeClock, FakeReplica

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.context import context_of
-from appliance.gateway import migration
+from appliance.gateway.migration import ledger as migration
 from appliance.gateway.upstream.sse import SSEEvents
 from appliance.serve import in_flight
 from appliance.settings import Settings
@@ -374,7 +374,7 @@ def test_with_token_ids_keeps_the_clients_bytes_and_adds_the_field() -> None:
 
 
 def test_the_metrics_labels_are_the_migration_modules_and_exist_from_the_start() -> None:
-    from appliance.gateway.metrics import MIGRATION_OUTCOMES, MIGRATION_REASONS, RequestMetrics
+    from appliance.gateway.observation.metrics import MIGRATION_OUTCOMES, MIGRATION_REASONS, RequestMetrics
 
     assert (MIGRATION_REASONS, MIGRATION_OUTCOMES) == (migration.REASONS, migration.OUTCOMES)
     registry = CollectorRegistry()

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.app import create_app
 from appliance.context import context_of
-from appliance.gateway.router import Outcome
+from appliance.gateway.routing.router import Outcome
 from appliance.settings import Settings
 from tests.fake_engine import Failure
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from appliance.gateway.records import (
+from appliance.gateway.observation.records import (
     ID_MAX_CHARS,
     AttemptRecord,
     MigrationRecord,
@@ -16,8 +16,8 @@ from appliance.gateway.records import (
     RequestRecords,
     record_id,
 )
-from appliance.gateway.router import Router
 from appliance.gateway.routing import Decision, RoutingRequest
+from appliance.gateway.routing.router import Router
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 

@@ -1,8 +1,8 @@
 """Routing policy and passive outlier ejection, with a controllable clock."""
 
 from appliance.engine.load import EngineLoad
-from appliance.gateway.router import Outcome, Router
-from appliance.gateway.settings import RoutingSettings
+from appliance.gateway.routing.router import Outcome, Router
+from appliance.gateway.routing.settings import RoutingSettings
 from tests.doubles import FakeClock, FakeReplica
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from appliance.context import context_of
-from appliance.gateway.records import AttemptRecord, MigrationRecord, RequestRecord
+from appliance.gateway.observation.records import AttemptRecord, MigrationRecord, RequestRecord
 from appliance.gateway.routing import Decision
 
 AUTH = {"authorization": "Bearer t0ken"}

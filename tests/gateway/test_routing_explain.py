@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from appliance.engine.load import EngineLoad
-from appliance.gateway.router import Outcome, Router
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.settings import RoutingSettings
+from appliance.gateway.routing.router import Outcome, Router
+from appliance.gateway.routing.settings import RoutingSettings
 from tests.doubles import FakeReplica
 
 SCORERS = {"outstanding", "kv_cache", "queue", "prefix", "cache_room"}

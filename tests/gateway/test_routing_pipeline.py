@@ -8,10 +8,11 @@ from prometheus_client import CollectorRegistry
 
 from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
-from appliance.gateway.admission import Admission, AIMDLimit, ConcurrencyLimits
-from appliance.gateway.router import Outcome, Router
+from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
+from appliance.gateway.admission.queue import Admission
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.settings import RoutingSettings
+from appliance.gateway.routing.router import Outcome, Router
+from appliance.gateway.routing.settings import RoutingSettings
 from appliance.settings import ConfigError, load_settings
 from tests.doubles import FakeClock, FakeReplica
 

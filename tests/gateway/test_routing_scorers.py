@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
-from appliance.gateway.router import Router
 from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.router import Router
 from appliance.gateway.routing.scorers import (
     CacheRoomScorer,
     KvCacheScorer,
@@ -14,7 +14,7 @@ from appliance.gateway.routing.scorers import (
     PrefixScorer,
     QueueScorer,
 )
-from appliance.gateway.settings import PrefixScorerSettings, RoutingSettings
+from appliance.gateway.routing.settings import PrefixScorerSettings, RoutingSettings
 from tests.doubles import FakeClock, FakeReplica
 
 

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
-from appliance.gateway.metrics import LATENCY_BUCKETS, RequestMetrics
+from appliance.gateway.observation.metrics import LATENCY_BUCKETS, RequestMetrics
 from appliance.monitoring import config as config_module
 from appliance.monitoring import dashboards, rules
 from appliance.monitoring.alertmanager import render_alertmanager_config

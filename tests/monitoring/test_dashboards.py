@@ -316,10 +316,11 @@ def test_the_catalogue_matches_what_the_code_registers(tmp_path: Path) -> None:
 
     from appliance.collectors import register_collectors
     from appliance.collectors.settings import CollectorSettings
-    from appliance.gateway.admission import Admission, ConcurrencyLimits
-    from appliance.gateway.fleet_metrics import FleetCollector
-    from appliance.gateway.metrics import RequestMetrics
-    from appliance.gateway.router import Router
+    from appliance.gateway.admission.limit import ConcurrencyLimits
+    from appliance.gateway.admission.queue import Admission
+    from appliance.gateway.observation.fleet_metrics import FleetCollector
+    from appliance.gateway.observation.metrics import RequestMetrics
+    from appliance.gateway.routing.router import Router
     from appliance.maintenance.metrics import MaintenanceCollector, MaintenanceMetrics
 
     router = Router(list)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
+from appliance.gateway.observation.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.monitoring import rules
 from appliance.monitoring.config import load_config, parse_config
 from appliance.settings import Settings

@@ -1,5 +1,5 @@
 """``GET /admin/requests`` and ``GET /admin/requests/{id}``: the last requests' records
-(appliance/gateway/records.py), for "why did this request go there, and why was it slow?".
+(appliance/gateway/observation/records.py), for "why did this request go there, and why was it slow?".
 
 Admin token required, like every /admin route: a record names tenants and request ids. Query values are
 validated by FastAPI, so a bad one is a 400 in OpenAI's error shape (appliance/http/errors.py), never a 500.

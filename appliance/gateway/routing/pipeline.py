@@ -23,8 +23,8 @@ from appliance.engine.contract import Replica
 from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorers
+from appliance.gateway.routing.settings import RoutingScorerSettings
 from appliance.gateway.routing.view import RoutingView
-from appliance.gateway.settings import RoutingScorerSettings
 
 # Every value the "decided_by" metric label can take: bounded by construction.
 DECIDERS = ("outstanding", "kv_cache", "queue", "prefix", "cache_room", "tie_kv_cache", "tie_queue",

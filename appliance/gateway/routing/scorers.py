@@ -15,8 +15,8 @@ from typing import Protocol
 from appliance.engine.contract import Replica, ReplicaState
 from appliance.gateway.routing.prefix_index import PrefixIndex
 from appliance.gateway.routing.request import RoutingRequest
+from appliance.gateway.routing.settings import PrefixScorerSettings
 from appliance.gateway.routing.view import RoutingView
-from appliance.gateway.settings import PrefixScorerSettings
 
 Score = float | None
 NEUTRAL = 0.5

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from appliance.gateway.metrics import LATENCY_BUCKETS, buckets_with
+from appliance.gateway.observation.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.gateway.tenants.quota import LIMITS
 from appliance.gateway.tenants.usage import Usage
 

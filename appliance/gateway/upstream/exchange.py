@@ -16,13 +16,13 @@ import aiohttp
 from fastapi import Request
 
 from appliance.engine.contract import Replica
-from appliance.gateway.router import Outcome
+from appliance.gateway.admission.slots import Lease
+from appliance.gateway.observation.tracing import UNTRACED, RequestTrace
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.slots import Lease
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.usage import Usage
-from appliance.gateway.tracing import UNTRACED, RequestTrace
 from appliance.gateway.upstream.hook import Attempt, HookChain, RequestHook
 
 

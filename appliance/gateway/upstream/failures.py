@@ -19,7 +19,7 @@ import json
 
 import aiohttp
 
-from appliance.gateway.router import Outcome
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.hook import StreamBreak
 from appliance.http.errors import APIError, error_body
 

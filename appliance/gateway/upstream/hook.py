@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.gateway.router import Outcome
 from appliance.gateway.routing.request import Decision
+from appliance.gateway.routing.router import Outcome
 
 
 class StreamBreak(Exception):

@@ -20,11 +20,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from appliance.engine.contract import Replica, ReplicaState
-from appliance.gateway import migration
-from appliance.gateway.admission import Admission
-from appliance.gateway.router import Outcome
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.admission.slots import Lease
+from appliance.gateway.migration import ledger as migration
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.slots import Lease
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.upstream.client import ClientGone, RelayedStream, unless_client_leaves
 from appliance.gateway.upstream.exchange import Exchange, Hook

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from appliance.gateway.router import Outcome
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.hook import Block, Break, End, HookChain, RequestHook, Resolution
-from tests.gateway.hooks.support import begin, chain, exchange
+from tests.gateway.upstream.support import begin, chain, exchange
 
 
 class Tracer(RequestHook):

@@ -9,9 +9,9 @@ from typing import Any
 
 from starlette.requests import Request
 
-from appliance.gateway.router import Outcome
+from appliance.gateway.admission.slots import Lease
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.slots import Lease
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.hook import Attempt, Block, HookChain, RequestHook

@@ -16,10 +16,10 @@ from typing import Any
 
 from opentelemetry import trace
 
-from appliance.gateway.metrics import COUNTED, RequestMetrics
-from appliance.gateway.router import Outcome
+from appliance.gateway.observation.metrics import COUNTED, RequestMetrics
+from appliance.gateway.observation.tracing import RequestTrace
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.usage import USAGE, body_usage, events_usage
-from appliance.gateway.tracing import RequestTrace
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.hook import Attempt, Block, End, RequestHook
 

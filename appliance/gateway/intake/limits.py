@@ -15,7 +15,7 @@ Status codes, as an SRE reads them: 401/413/408 are the client's doing (408: RFC
 request message within the time it was prepared to wait"). A full body budget is the gateway's capacity, not the
 client's fault: 503 + Retry-After (retry here shortly, or on another instance; load balancers and OpenAI's clients
 retry it), not 429, which says "you, slow down" and belongs to admission's per-capacity queue. None of these answers
-closes the connection itself: the connection level (appliance/gateway/connections.py) sends the answer, stops
+closes the connection itself: the connection level (appliance/gateway/intake/connections.py) sends the answer, stops
 reading a body the app did not read, and closes (a lingering close, so the client sees the answer).
 """
 

@@ -11,14 +11,14 @@ import time
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway import migration as ledger_module
-from appliance.gateway.hooks.migration import MigratingRequest, Migration
-from appliance.gateway.metrics import RequestMetrics
-from appliance.gateway.router import Outcome
+from appliance.gateway.migration import ledger as ledger_module
+from appliance.gateway.migration.hook import MigratingRequest, Migration
+from appliance.gateway.observation.metrics import RequestMetrics
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.hook import Block, Break, End
 from appliance.gateway.upstream.sse import SSEEvents
-from tests.gateway.hooks.support import DONE, begin, chain, chunk, exchange
+from tests.gateway.upstream.support import DONE, begin, chain, chunk, exchange
 
 
 class FakePlacement:

@@ -1,15 +1,13 @@
-"""SLA-driven admission control: an adaptive concurrency limit per replica and a bounded gateway queue.
+"""SLA-driven admission control: the bounded gateway queue in front of each replica's adaptive limit
+(``limit.py``, the seed's "adjust the batch from queue length and compute load" made a feedback loop).
 
-The seed's "adjust the batch from queue length and compute load", made a feedback loop: each replica's limit
-grows by one request per limit's worth of requests that met the TTFT target (additive increase) and shrinks by a
-factor when one misses it or fails (multiplicative decrease, at most once per limit's worth of completions so one
-slow burst is one cut). Requests beyond the fleet's limits wait in a queue, ordered by priority then fair share
-between tenants (``appliance.gateway.tenants.fair_share``; FIFO within a tenant, or for everyone when
-``admission.fair_share`` is off); when the queue is full, or a request waited longer than its queue timeout, the
-gateway answers 429 with Retry-After instead of letting every request miss its SLA.
+Requests beyond the fleet's limits wait in a queue, ordered by priority then fair share between tenants
+(``appliance.gateway.tenants.fair_share``; FIFO within a tenant, or for everyone when ``admission.fair_share`` is
+off); when the queue is full, or a request waited longer than its queue timeout, the gateway answers 429 with
+Retry-After instead of letting every request miss its SLA.
 
-What admission hands out is a ``Lease`` (``appliance.gateway.slots``): the request's one hold on its replica's
-slot, given back exactly once, and audited on every engine poll (``SlotAudit``).
+What admission hands out is a ``Lease`` (``slots.py``): the request's one hold on its replica's slot, given back
+exactly once, and audited on every engine poll (``SlotAudit``).
 """
 
 from __future__ import annotations
@@ -24,64 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.engine.contract import Replica
-from appliance.gateway.router import Outcome, Router
+from appliance.gateway.admission.limit import ConcurrencyLimits
+from appliance.gateway.admission.slots import Lease, LeaseLedger, SlotAudit
 from appliance.gateway.routing import RoutingRequest
-from appliance.gateway.slots import Lease, LeaseLedger, SlotAudit
+from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.fair_share import DISPATCH_COST, VirtualClock, share_bound
 from appliance.http.errors import APIError
-
-
-class AIMDLimit:
-    """Additive-increase / multiplicative-decrease concurrency limit driven by per-request TTFT."""
-
-    def __init__(self, initial: float, minimum: float, maximum: float, target_seconds: float,
-                 decrease_factor: float = 0.9) -> None:
-        self.value = float(min(max(initial, minimum), maximum))
-        self.minimum = float(minimum)
-        self.maximum = float(maximum)
-        self.target_seconds = target_seconds
-        self.decrease_factor = decrease_factor
-        self._since_decrease = math.inf
-
-    @property
-    def limit(self) -> int:
-        return max(int(self.minimum), int(self.value))
-
-    def on_sample(self, ttft_seconds: float | None, *, failed: bool = False) -> None:
-        self._since_decrease += 1
-        if failed or (ttft_seconds is not None and ttft_seconds > self.target_seconds):
-            if self._since_decrease >= self.value:  # one cut per limit's worth of completions
-                self.value = max(self.minimum, self.value * self.decrease_factor)
-                self._since_decrease = 0
-        elif ttft_seconds is not None:
-            self.value = min(self.maximum, self.value + 1.0 / self.value)
-
-
-class ConcurrencyLimits:
-    """One AIMD limit per replica, created on first use; unlimited when admission control is off."""
-
-    UNLIMITED = 1 << 30
-
-    def __init__(self, factory: Callable[[], AIMDLimit] | None) -> None:
-        self._factory = factory
-        self._limits: dict[str, AIMDLimit] = {}
-
-    def limit_of(self, name: str) -> int:
-        if self._factory is None:
-            return self.UNLIMITED
-        return self._get(name).limit
-
-    def on_sample(self, name: str, ttft_seconds: float | None, *, failed: bool) -> None:
-        if self._factory is not None:
-            self._get(name).on_sample(ttft_seconds, failed=failed)
-
-    def _get(self, name: str) -> AIMDLimit:
-        if name not in self._limits:
-            assert self._factory is not None  # its callers ask only when admission control is on
-            self._limits[name] = self._factory()
-        return self._limits[name]
 
 
 @dataclass(frozen=True, eq=False)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from appliance.gateway.limits import RETRY_AFTER_SECONDS
+from appliance.gateway.intake.limits import RETRY_AFTER_SECONDS
 from appliance.http.errors import error_body, error_response
 
 log = logging.getLogger(__name__)

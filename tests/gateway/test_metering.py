@@ -9,15 +9,16 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway.admission import Admission, ConcurrencyLimits
-from appliance.gateway.hooks.metering import Metering
-from appliance.gateway.router import Outcome, Router
+from appliance.gateway.admission.limit import ConcurrencyLimits
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import Tenant
+from appliance.gateway.tenants.metering import Metering
 from appliance.gateway.tenants.quota import REQUESTS, Quotas
 from appliance.gateway.upstream.hook import End
 from appliance.http.errors import APIError
-from tests.gateway.hooks.support import DONE, block, chain, chunk, exchange, usage_event
+from tests.gateway.upstream.support import DONE, block, chain, chunk, exchange, usage_event
 
 
 def meter(tenant: Tenant | None = None) -> tuple[Metering, CollectorRegistry]:

@@ -43,7 +43,7 @@ class AttemptRecord:
     replica: str
     decision: Decision | None = None
     queue_wait_seconds: float = 0.0  # waited in the admission queue before this attempt (0: a replica had room)
-    outcome: str | None = None  # appliance.gateway.router.Outcome's value; None while it runs
+    outcome: str | None = None  # appliance.gateway.routing.router.Outcome's value; None while it runs
     reason: str | None = None  # why it ended when it did not succeed: "retry: HTTP 503", "migrated: connection"
     started_at: float = field(default_factory=time.time)  # wall clock
 
@@ -83,7 +83,7 @@ class RequestRecord:
     ttft_seconds: float | None = None
     e2e_seconds: float | None = None
     status: int | None = None  # the HTTP status the client got
-    outcome: str | None = None  # appliance.gateway.router.Outcome's value for the request as a whole
+    outcome: str | None = None  # appliance.gateway.routing.router.Outcome's value for the request as a whole
 
     @property
     def replica(self) -> str | None:

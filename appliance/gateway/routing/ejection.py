@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from appliance.gateway.settings import RoutingSettings
+from appliance.gateway.routing.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Everything that is state (replica states, outstanding requests, limits, queue length, ejections) is read from the
 router and admission at scrape time by a custom collector, so it can never drift from the truth. It sits above
-both (the request-path metrics in ``gateway/metrics.py`` sit below the router, which records into them).
+both (the request-path metrics in ``metrics.py`` beside it sit below the router, which records into them).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.engine.contract import Replica, ReplicaState
-from appliance.gateway.admission import Admission
-from appliance.gateway.router import Router
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.routing.router import Router
 
 
 class FleetCollector(Collector):

@@ -20,10 +20,10 @@ import aiohttp
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from appliance.gateway import migration
-from appliance.gateway.metrics import RequestMetrics
-from appliance.gateway.router import Outcome
-from appliance.gateway.slots import Lease
+from appliance.gateway.admission.slots import Lease
+from appliance.gateway.migration import ledger as migration
+from appliance.gateway.observation.metrics import RequestMetrics
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.failures import (
     SHUTDOWN_EVENT,

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import time
 
-from appliance.gateway.records import AttemptRecord, MigrationRecord, RequestRecord, RequestRecords, record_id
+from appliance.gateway.observation.records import (
+    AttemptRecord,
+    MigrationRecord,
+    RequestRecord,
+    RequestRecords,
+    record_id,
+)
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.hook import Attempt, Block, End, RequestHook
 

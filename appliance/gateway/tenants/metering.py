@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from appliance.gateway.admission import Admission
-from appliance.gateway.router import Outcome
+from appliance.gateway.admission.queue import Admission
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.quota import Quotas, estimate_prompt_tokens
 from appliance.gateway.tenants.usage import USAGE, HiddenUsage, ask_for_usage, body_usage, events_usage, final_usage

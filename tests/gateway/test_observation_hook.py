@@ -10,11 +10,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from appliance.gateway.hooks.observation import Observation
-from appliance.gateway.metrics import RequestMetrics
-from appliance.gateway.router import Outcome
+from appliance.gateway.observation.hook import Observation
+from appliance.gateway.observation.metrics import RequestMetrics
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.hook import Block, End
-from tests.gateway.hooks.support import DONE, begin, chain, chunk, exchange, usage_event
+from tests.gateway.upstream.support import DONE, begin, chain, chunk, exchange, usage_event
 
 
 def observed(tracing: bool = False):

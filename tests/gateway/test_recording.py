@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from appliance.gateway.hooks.record import Recording
-from appliance.gateway.records import RequestRecords
-from appliance.gateway.router import Outcome
+from appliance.gateway.observation.recording import Recording
+from appliance.gateway.observation.records import RequestRecords
 from appliance.gateway.routing.request import Decision
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.hook import Block, End
-from tests.gateway.hooks.support import begin, chain, exchange
+from tests.gateway.upstream.support import begin, chain, exchange
 
 
 def test_a_moved_stream_is_recorded_attempt_by_attempt() -> None:

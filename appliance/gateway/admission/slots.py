@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.engine.contract import Replica
-from appliance.gateway.router import Outcome, Router
+from appliance.gateway.routing.router import Outcome, Router
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ choose as the older fixed policy did (fewest outstanding, then lower KV usage, t
 index) unless a replica was recently sent the same prompt prefix. Outstanding counts are the gateway's own: exact,
 no polling lag. Engine readings count as unknown when stale, or when they contradict those counts (the engine says
 idle while the gateway has had a request in flight there since before the reading). Ejection is
-``appliance.gateway.ejection``.
+``appliance.gateway.routing.ejection``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry
 
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
-from appliance.gateway.ejection import Ejector, ReplicaHealth
-from appliance.gateway.metrics import PrefixIndexCollector, RoutingMetrics
+from appliance.gateway.observation.metrics import PrefixIndexCollector, RoutingMetrics
 from appliance.gateway.routing import Decision, RoutingRequest, build_policy
+from appliance.gateway.routing.ejection import Ejector, ReplicaHealth
 from appliance.gateway.routing.filters import ELIGIBLE, passing, sift
-from appliance.gateway.settings import RoutingSettings
+from appliance.gateway.routing.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
 
