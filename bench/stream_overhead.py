@@ -204,6 +204,9 @@ def main() -> None:
     parser.add_argument("--compare-tree", metavar="DIR",
                         help="also measure the gateway of another source tree (e.g. a `git worktree` of the "
                              "commit before a change), as path gateway-other, in the same alternating rounds")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="run the gateway under cProfile and write its stats to FILE (pstats), then print where "
+                             "its CPU went, by area and by function; slows the gateway, so compare shares, not times")
     args = parser.parse_args()
 
     _use_uvloop()
@@ -233,8 +236,10 @@ def main() -> None:
                    # gateway's own queue is not what is measured
                    "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency),
                    "APPLIANCE_ADMISSION__MAX_QUEUE": str(4 * args.concurrency)}
-            procs[name] = start([sys.executable, "-m", "appliance.cli", "serve"], env, logs / f"{name}.log",
-                                proxy_cores, cwd=tree)
+            profiled = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if (
+                args.profile and name == "gateway") else []
+            procs[name] = start([sys.executable, *profiled, "-m", "appliance.cli", "serve"], env,
+                                logs / f"{name}.log", proxy_cores, cwd=tree)
             paths[name] = f"http://127.0.0.1:{port}"
         for name in gateways:
             wait_ok(f"{paths[name]}/health/ready", procs[name], timeout=120, interval=0.5)
@@ -275,6 +280,35 @@ def main() -> None:
     finally:
         for proc in reversed(list(procs.values())):
             stop(proc, timeout=30)
+    if args.profile:
+        print_profile(Path(args.profile))
+
+
+# Where a profiled gateway's own time goes, by the file a function is defined in (first match wins).
+AREAS = (("hooks", ("gateway/observation/", "gateway/tenants/", "gateway/migration/")),
+         ("transport", ("gateway/upstream/",)), ("admission+routing", ("gateway/admission/", "gateway/routing/")),
+         ("gateway other", ("appliance/",)), ("aiohttp", ("aiohttp/",)),
+         ("starlette+fastapi", ("starlette/", "fastapi/")),
+         ("uvicorn+h11/httptools", ("uvicorn/", "h11/", "httptools/")), ("prometheus_client", ("prometheus_client/",)),
+         ("asyncio+uvloop", ("asyncio/", "uvloop/")), ("opentelemetry", ("opentelemetry/",)))
+
+
+def print_profile(path: Path, top: int = 25) -> None:
+    """The profile's own time (tottime) by area and its top functions: where the per-request and per-event work
+    is. Reproduce with: bench/stream_overhead.py --paths direct,gateway --profile /tmp/gateway.prof"""
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    by_area: dict[str, float] = {}
+    total = 0.0
+    for (file, _line, _func), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        total += tottime
+        area = next((name for name, marks in AREAS if any(m in file for m in marks)), "other (builtins, C)")
+        by_area[area] = by_area.get(area, 0.0) + tottime
+    print(f"\nprofile {path}: {total:.2f} s of the gateway's own time")
+    for area, seconds in sorted(by_area.items(), key=lambda kv: -kv[1]):
+        print(f"  {area:<24} {seconds:7.2f} s {100 * seconds / total:5.1f}%")
+    stats.sort_stats("tottime").print_stats(top)
 
 
 def report(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:

@@ -12,7 +12,6 @@ transport within the same budget; this hook counts what came of it.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Protocol
 
@@ -71,11 +70,8 @@ class Migration:
         exchange.migration_limit = self.limit
         ledger, refused = None, None
         if exchange.stream:
-            try:
-                body = json.loads(exchange.body)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
+            body = exchange.parsed()
+            if body is not None:
                 refused = migration.refusal(exchange.route, body)
                 if refused is None:
                     ledger = migration.StreamLedger(exchange.route, body, max_model_len=self.max_model_len)
@@ -143,6 +139,10 @@ class MigratingRequest(RequestHook):
         rewritten into the client's stream, an engine's error event or abort turned into a break."""
         ledger = self.ledger
         if ledger is None or not block.raw:
+            return
+        fast = ledger.accept_block(block.raw)
+        if fast is not None:
+            block.out = fast
             return
         out: list[bytes] = []
         for event in split_events(block.raw):

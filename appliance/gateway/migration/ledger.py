@@ -108,8 +108,15 @@ def _count(value: Any) -> int:
 
 # A token chunk's ids as vLLM writes them (compact JSON). A quote inside a JSON string is escaped, so this cannot
 # match inside generated text; an event where it does not match exactly once takes the parsing path.
-TOKEN_IDS = re.compile(rb',?"token_ids":\[([0-9,]*)\]')
-SLOW_MARKS = re.compile(rb'"prompt_token_ids"|"error"|"usage":\{|"finish_reason":"')
+TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')  # no optional prefix: a literal start scans 10x faster
+# What only the parsing path handles: the prompt's ids (a list; vLLM writes "prompt_token_ids":null on every other
+# completion chunk, which the fast path passes), an error, a usage report, a finish. Plain substring tests: each is
+# one fast scan, several times faster than one regular expression with alternatives.
+SLOW_MARKS = (b'"prompt_token_ids":[', b'"error"', b'"usage":{', b'"finish_reason":"')
+
+
+def needs_parsing(events: bytes) -> bool:
+    return any(mark in events for mark in SLOW_MARKS)
 
 
 @dataclass
@@ -184,10 +191,29 @@ class StreamLedger:
             return event
         return self._continued(obj) if self.continuing else self._original(obj, event)
 
+    def accept_block(self, events: bytes) -> bytes | None:
+        """Whole events of the original leg in, the client's bytes out, in one pass when every one of them is a
+        plain token chunk (the bulk of a stream: a loaded gateway reads several per read): their ids recorded and,
+        unless the client asked for them, nulled, as vLLM writes them unasked. None: take the event-by-event
+        path (the first event, a continuation, anything ``SLOW_MARKS`` finds, an event without exactly one
+        ``token_ids``)."""
+        if not self.events or self.continuing or needs_parsing(events):
+            return None
+        count = events.count(b"\n\n")
+        found = TOKEN_IDS.findall(events)
+        if (len(found) != count or events.count(b'"token_ids"') != count or events.count(b"data: {") != count
+                or not events.endswith(b"\n\n")):
+            return None
+        ids = b",".join(group for group in found if group)
+        if ids:
+            self.sent_ids.extend(map(int, ids.split(b",")))
+        self.events += count
+        return events if self.client_wants_ids else TOKEN_IDS.sub(b'"token_ids":null', events)
+
     def _fast(self, event: bytes) -> bytes | None:
         """A plain token chunk of the original leg, without parsing it (the bulk of a stream: one per token): its
         ids recorded and, unless the client asked for them, cut out of the bytes. None: take the parsing path."""
-        if not event.startswith(b"data: {") or SLOW_MARKS.search(event):
+        if not event.startswith(b"data: {") or needs_parsing(event):
             return None
         found = TOKEN_IDS.search(event)
         if found is None or event.find(b'"token_ids"', found.end()) >= 0:

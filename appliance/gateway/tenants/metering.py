@@ -10,8 +10,6 @@ the relay hides that event, so the client's bytes are those it would have had.
 
 from __future__ import annotations
 
-import json
-
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
@@ -41,11 +39,8 @@ class Metering:
 def _ask_for_usage(exchange: Exchange) -> HiddenUsage | None:
     """A stream whose client did not ask for usage asks the engine for it (accounting counts what the engine
     reports); the relay then hides it from the client."""
-    try:
-        body = json.loads(exchange.body)
-    except ValueError:
-        return None
-    if not isinstance(body, dict):
+    body = exchange.parsed()
+    if body is None:
         return None
     asked = ask_for_usage(exchange.body, body)
     if asked is None:

@@ -52,13 +52,14 @@ USAGE = b'"usage"'  # a chunk that may carry usage (parsed to be sure)
 def ask_for_usage(body: bytes, parsed: dict[str, Any]) -> bytes | None:
     """A streaming request's bytes asking the engine for the final usage event too; None when the client asked for
     it itself (nothing to change). Its other stream options are kept, except ``continuous_usage_stats`` (usage on
-    every chunk, which the client did not ask for either). The key is appended: the last one wins in vLLM's
-    parser, as for ``migration.with_token_ids``."""
+    every chunk, which the client did not ask for either); ``parsed`` is updated to match. The key is appended:
+    the last one wins in vLLM's parser, as for ``migration.with_token_ids``."""
     options = parsed.get("stream_options")
     options = options if isinstance(options, dict) else {}
     if options.get("include_usage"):
         return None
     wanted = {**options, "include_usage": True, "continuous_usage_stats": False}
+    parsed["stream_options"] = wanted  # the parsed body says what the engine will get
     end = body.rstrip().rfind(b"}")
     head = body[:end].rstrip()
     separator = b"" if head.endswith(b"{") else b","

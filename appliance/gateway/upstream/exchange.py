@@ -8,9 +8,10 @@ place. The stream settles what it holds when it is served, including when its bo
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from fastapi import Request
@@ -51,6 +52,18 @@ class Exchange:
     migration_limit: int = 0  # continuations and re-runs this request may be given (0: none)
     migrations: int = 0  # continuations and re-runs it was given
     usage: Usage | None = None  # what the engines reported, every leg (None: no report yet)
+    _parsed: Any = field(default=None, repr=False)  # the body as JSON, once parsed (see ``parsed``)
+
+    def parsed(self) -> dict[str, Any] | None:
+        """The client's body as a JSON object, parsed once for every hook that reads it (None: not an object).
+        A hook that rewrites ``body`` keeps this in step, so the next hook reads what the engine will get."""
+        if self._parsed is None:
+            try:
+                value = json.loads(self.body)
+            except ValueError:
+                value = False
+            self._parsed = value if isinstance(value, dict) else False
+        return self._parsed or None
 
     def reported(self, usage: object) -> None:
         """One engine usage report for this request (a continued stream has one per leg)."""

@@ -158,8 +158,21 @@ class RequestHook:
         return None
 
 
+RELAY_METHODS = ("relayed", "leg_closed", "held", "broke")
+
+
+_OVERRIDES: dict[type, frozenset[str]] = {}
+
+
 def _overrides(hook: RequestHook, method: str) -> bool:
-    return getattr(type(hook), method) is not getattr(RequestHook, method)
+    """Whether ``hook``'s class overrides a relay method (looked up once per class: a chain is built per
+    request)."""
+    cls = type(hook)
+    found = _OVERRIDES.get(cls)
+    if found is None:
+        found = _OVERRIDES[cls] = frozenset(m for m in RELAY_METHODS
+                                            if getattr(cls, m) is not getattr(RequestHook, m))
+    return method in found
 
 
 class HookChain:
