@@ -28,6 +28,7 @@ from appliance.cli.serve import ensure_demo_model  # noqa: E402
 from appliance.engine.command import engine_argv, engine_env, launcher_command  # noqa: E402
 from appliance.engine.placement import plan_placements  # noqa: E402
 from appliance.engine.settings import EngineSettings  # noqa: E402
+from bench.prefix_routing import wait_until  # noqa: E402
 
 
 def start_engine(model: Path, port: int, placement, engine: EngineSettings, log: Path) -> subprocess.Popen:
@@ -35,21 +36,6 @@ def start_engine(model: Path, port: int, placement, engine: EngineSettings, log:
     env = {**os.environ, **engine_env(placement, engine)}
     return subprocess.Popen(launcher_command(argv), env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine at {url} exited with {proc.returncode}")
-        try:
-            async with session.get(f"{url}/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(1)
-    raise TimeoutError(url)
 
 
 async def one_round(session: aiohttp.ClientSession, url: str, batch: int, tokens: int) -> float:
@@ -79,7 +65,7 @@ async def run(args: argparse.Namespace) -> None:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-            await asyncio.gather(*(wait_healthy(session, urls[n], procs[n], 300) for n in models))
+            await asyncio.gather(*(wait_until(session, f"{urls[n]}/health", 300, procs[n]) for n in models))
             for name in models:  # warm-up, excluded
                 await one_round(session, urls[name], 4, 8)
             print(f"demo model decode throughput, {args.tokens} tokens/request, median of {args.rounds} "

@@ -29,6 +29,10 @@ from pathlib import Path
 import httpx
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gateway_overhead import wait_ok  # noqa: E402
+
 KEY = "bench-key"
 MIB = 1024 * 1024
 
@@ -41,18 +45,14 @@ def start_gateway(port: int, state: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "serve"], env=env,
                             stdout=(state / "gateway.log").open("ab"), stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"gateway exited with {proc.returncode}; see {state / 'gateway.log'}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health/live", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    raise SystemExit("gateway did not answer /health/live within 120 s")
+    try:
+        wait_ok(f"http://127.0.0.1:{port}/health/live", proc, timeout=120, interval=0.5)
+    except RuntimeError:
+        raise SystemExit(f"gateway exited with {proc.returncode}; see {state / 'gateway.log'}") from None
+    except TimeoutError:
+        proc.send_signal(signal.SIGTERM)
+        raise SystemExit("gateway did not answer /health/live within 120 s") from None
+    return proc
 
 
 async def stalled_client(port: int, declared: int, sent: int, opened: asyncio.Event, hold: asyncio.Event) -> str:

@@ -12,6 +12,13 @@ def mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+def mount_token_file(tmp_path, monkeypatch, variable: str, token: str) -> None:
+    """``token`` in a file that ``variable`` names, the way compose and Kubernetes mount a secret."""
+    mounted = tmp_path / "mounted-secret"
+    mounted.write_text(token + "\n")
+    monkeypatch.setenv(variable, str(mounted))
+
+
 def test_a_stale_world_readable_temp_file_does_not_make_the_token_world_readable(tmp_path):
     stale = tmp_path / f".{TOKEN_FILE}.tmp"  # what an interrupted earlier write left behind
     stale.write_text("old\n")
@@ -48,9 +55,7 @@ def test_operator_commands_read_the_token_file_the_appliance_reads(tmp_path, mon
     monkeypatch.delenv("APPLIANCE_ADMIN_TOKEN", raising=False)
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
     (tmp_path / TOKEN_FILE).write_text("generated-by-up\n")
-    mounted = tmp_path / "mounted-secret"
-    mounted.write_text("from-secret-file\n")
-    monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN_FILE", str(mounted))
+    mount_token_file(tmp_path, monkeypatch, "APPLIANCE_ADMIN_TOKEN_FILE", "from-secret-file")
     assert admin_client.admin_token() == "from-secret-file"
     monkeypatch.setenv("APPLIANCE_ADMIN_TOKEN", "from-env")
     assert admin_client.admin_token() == "from-env"
@@ -65,9 +70,7 @@ def test_operator_commands_read_the_sectioned_token_variables_too(tmp_path, monk
                  "APPLIANCE_METRICS_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path))
-    mounted = tmp_path / "mounted-secret"
-    mounted.write_text("from-sectioned-file\n")
-    monkeypatch.setenv("APPLIANCE_GATEWAY__ADMIN_TOKEN_FILE", str(mounted))
+    mount_token_file(tmp_path, monkeypatch, "APPLIANCE_GATEWAY__ADMIN_TOKEN_FILE", "from-sectioned-file")
     assert admin_client.admin_token() == "from-sectioned-file"
     monkeypatch.setenv("APPLIANCE_GATEWAY__ADMIN_TOKEN", "from-sectioned-env")
     assert admin_client.admin_token() == "from-sectioned-env"

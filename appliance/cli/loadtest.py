@@ -48,17 +48,32 @@ API_KEY_ENV = (API_KEYS_ENV, DEPRECATED_API_KEY_ENV, "OPENAI_API_KEY")
 
 def register(subparsers: Any) -> None:
     """Add ``plan``, ``bench`` and ``capacity`` to an argparse subparsers object."""
-    _add_plan(subparsers)
-    _add_bench(subparsers)
-    _add_capacity(subparsers)
+    commands = (
+        # name, help in `appliance --help`, description in its own --help, its options, its handler
+        ("plan", "memory plan: weights, KV bytes per token, max concurrent sequences, flags",
+         "Memory plan for one engine replica. Reserve for activations and overhead: 1 GiB + the activation peak of "
+         "one scheduler step + fp32 logits (override with --reserve-gib; vLLM logs its measured value at start).",
+         _plan_options, cmd_plan),
+        ("bench", "load test any OpenAI-compatible URL; JSON + Markdown + PNG reports",
+         "Load test an OpenAI-compatible server (the appliance, vLLM, anything else): a closed loop (--concurrency) "
+         "or Poisson arrivals (--rate), for --requests or --duration, after a warm-up. Writes bench.json, bench.md, "
+         "requests.jsonl and bench.png to --out. Exit code 1 when the run is invalid, every request failed or the "
+         "SLA (--slo-*) is not met.",
+         _bench_options, cmd_bench),
+        ("capacity", "max concurrency whose P95 meets the SLA, then an optional soak",
+         "Find the highest concurrency whose P95 TTFT (and E2E, if given) meets the SLA: C=1, doubling, then "
+         "bisecting and a confirming re-run, each probe judged with --confidence. Then, with --soak-minutes, hold "
+         "that concurrency and report drift in latency, memory and KV usage. Writes capacity.json, capacity.md, "
+         "requests.jsonl and PNG charts to --out.",
+         _capacity_options, cmd_capacity),
+    )
+    for name, summary, description, add_options, handler in commands:
+        parser = subparsers.add_parser(name, formatter_class=HelpFormatter, help=summary, description=description)
+        add_options(parser)
+        parser.set_defaults(handler=handler)
 
 
-def _add_plan(sub: Any) -> None:
-    p = sub.add_parser("plan", formatter_class=HelpFormatter,
-                       help="memory plan: weights, KV bytes per token, max concurrent sequences, flags",
-                       description="Memory plan for one engine replica. Reserve for activations and overhead: "
-                                   "1 GiB + the activation peak of one scheduler step + fp32 logits (override "
-                                   "with --reserve-gib; vLLM logs its measured value at start).")
+def _plan_options(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-config", type=Path, help="a model's config.json (or its checkpoint directory)")
     src.add_argument("--model-size", help="a known shape: llama-3-8b, llama-3-70b, llama-3.2-1b, mistral-7b, "
@@ -87,7 +102,6 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--context-lens", type=int_list, default=(), help="more lengths to report, e.g. 512,2048")
     p.add_argument("--reserve-gib", type=non_negative_float, help="activation + overhead reserve (replaces estimate)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(handler=cmd_plan)
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
@@ -116,14 +130,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="no progress bar on stderr (shown otherwise)")
 
 
-def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", formatter_class=HelpFormatter,
-                       help="load test any OpenAI-compatible URL; JSON + Markdown + PNG reports",
-                       description="Load test an OpenAI-compatible server (the appliance, vLLM, anything else): a "
-                                   "closed loop (--concurrency) or Poisson arrivals (--rate), for --requests or "
-                                   "--duration, after a warm-up. Writes bench.json, bench.md, requests.jsonl and "
-                                   "bench.png to --out. Exit code 1 when the run is invalid, every request failed "
-                                   "or the SLA (--slo-*) is not met.")
+def _bench_options(p: argparse.ArgumentParser) -> None:
     _add_target(p)
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=positive_int, help="closed loop: this many requests in flight")
@@ -135,17 +142,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--max-inflight", type=positive_int, help="open loop: cap on requests in flight (queue beyond)")
     p.add_argument("--slo-ttft-p95-ms", type=positive_float, help="judge the run against this P95 TTFT")
     p.add_argument("--slo-e2e-p95-ms", type=positive_float, help="the SLA's P95 end-to-end latency, if any")
-    p.set_defaults(handler=cmd_bench)
 
 
-def _add_capacity(sub: Any) -> None:
-    p = sub.add_parser("capacity", formatter_class=HelpFormatter,
-                       help="max concurrency whose P95 meets the SLA, then an optional soak",
-                       description="Find the highest concurrency whose P95 TTFT (and E2E, if given) meets the SLA: "
-                                   "C=1, doubling, then bisecting and a confirming re-run, each probe judged with "
-                                   "--confidence. Then, with --soak-minutes, hold that concurrency and report "
-                                   "drift in latency, memory and KV usage. Writes capacity.json, capacity.md, "
-                                   "requests.jsonl and PNG charts to --out.")
+def _capacity_options(p: argparse.ArgumentParser) -> None:
     _add_target(p)
     p.add_argument("--slo-ttft-p95-ms", type=positive_float, required=True, help="the SLA: P95 time to first token")
     p.add_argument("--slo-e2e-p95-ms", type=positive_float, help="the SLA's P95 end-to-end latency, if any")
@@ -170,7 +169,6 @@ def _add_capacity(sub: Any) -> None:
                                                   "else appliance_gpu_memory_used_bytes)")
     p.add_argument("--kv-metric", help="KV occupancy metric (default: appliance_engine_kv_cache_usage_ratio, "
                                        "else vllm:kv_cache_usage_perc)")
-    p.set_defaults(handler=cmd_capacity)
 
 
 # --- handlers -----------------------------------------------------------------------------------------------------

@@ -190,4 +190,14 @@ def ratio(value: float, denominator: float, *, clamp: bool = True) -> float | No
     return min(1.0, max(0.0, result)) if clamp else result
 
 
+def replica_gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
+    """A gauge family of one series per engine replica: labelled ``replica``, then ``labels``."""
+    return GaugeMetricFamily(name, documentation, labels=["replica", *labels])
+
+
+def replica_counter(name: str, documentation: str, *labels: str) -> CounterMetricFamily:
+    """A counter family of one series per engine replica: labelled ``replica``, then ``labels``."""
+    return CounterMetricFamily(name, documentation, labels=["replica", *labels])
+
+
 Clock = Callable[[], float]

@@ -15,9 +15,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from appliance.collectors.base import Clock, CollectorHealth, KeyedRates, MonotonicCounter, SafeCollector, ratio
+from appliance.collectors.base import (
+    Clock,
+    CollectorHealth,
+    KeyedRates,
+    MonotonicCounter,
+    SafeCollector,
+    ratio,
+    replica_counter,
+    replica_gauge,
+)
 from appliance.collectors.nvml import GpuReading, NvmlSource
 from appliance.collectors.procs import ProcessTable
 
@@ -97,9 +106,9 @@ class ComputeCollector(SafeCollector):
     def _replica_gpu_families(self, readings: list[GpuReading]) -> list[Metric]:
         """GPU memory held by each replica's processes, and each replica's mean GPU utilisation."""
         owners = self._table.owners()
-        held = GaugeMetricFamily(
+        held = replica_gauge(
             "appliance_engine_gpu_memory_bytes", "Device memory held by a replica's processes on each GPU, in "
-            "bytes (NVML's per-process accounting).", labels=["replica", "gpu"])
+            "bytes (NVML's per-process accounting).", "gpu")
         for reading in readings:
             per_replica: dict[str, int] = {}
             for pid, used in reading.processes:
@@ -107,10 +116,9 @@ class ComputeCollector(SafeCollector):
                     per_replica[owners[pid]] = per_replica.get(owners[pid], 0) + used
             for owner, used in sorted(per_replica.items()):
                 held.add_metric([owner, str(reading.index)], used)
-        util = GaugeMetricFamily(
+        util = replica_gauge(
             "appliance_replica_gpu_utilization_ratio", "Mean NVML utilisation (0..1) of the GPUs in a replica's "
-            "placement; compare with appliance_engine_process_cpu_ratio to spot a CPU-starved GPU.",
-            labels=["replica"])
+            "placement; compare with appliance_engine_process_cpu_ratio to spot a CPU-starved GPU.")
         by_index = {r.index: r.utilization for r in readings if r.utilization is not None}
         for replica in self._replicas():
             gpus = _placement_gpus(replica)
@@ -124,13 +132,13 @@ class ComputeCollector(SafeCollector):
         if not snapshot:
             return []
         now = self._clock()
-        seconds = CounterMetricFamily(
+        seconds = replica_counter(
             "appliance_engine_cpu_seconds", "CPU time (user + system) used by a replica's whole process tree "
-            "since it started, in seconds; resets when the replica restarts.", labels=["replica"])
-        utilisation = GaugeMetricFamily(
+            "since it started, in seconds; resets when the replica restarts.")
+        utilisation = replica_gauge(
             "appliance_engine_cpu_utilization_ratio", "CPU time of a replica's process tree over the time its "
             "cores had (0..1): delta CPU seconds / (delta wall seconds x cores in its placement), between scrapes "
-            "at least rate_min_window_seconds apart.", labels=["replica"])
+            "at least rate_min_window_seconds apart.")
         for name, procs in sorted(snapshot.items()):
             total = self._cpu_counter.value(name, procs.root_pid, procs.cpu_seconds)
             seconds.add_metric([name], total)

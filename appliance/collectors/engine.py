@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
-from appliance.collectors.base import Clock, CollectorHealth, SafeCollector
+from appliance.collectors.base import Clock, CollectorHealth, SafeCollector, replica_counter, replica_gauge
 
 if TYPE_CHECKING:
     from appliance.engine.contract import Replica
@@ -69,7 +69,7 @@ class EngineCollector(SafeCollector):
 def _load_families(loads: dict[str, EngineLoad]) -> list[Metric]:
     families: list[Metric] = []
     for attribute, metric, doc in LOAD_GAUGES:
-        family = GaugeMetricFamily(metric, doc, labels=["replica"])
+        family = replica_gauge(metric, doc)
         for name, load in sorted(loads.items()):
             value = getattr(load, attribute, None)
             if value is not None:
@@ -79,20 +79,19 @@ def _load_families(loads: dict[str, EngineLoad]) -> list[Metric]:
 
 
 def _lifecycle_families(replicas: list[Replica]) -> list[Metric]:
-    starts = CounterMetricFamily("appliance_replica_starts", "Engine processes started for the replica (first "
-                                 "start, restarts after crashes and maintenance restarts).", labels=["replica"])
-    restarts = CounterMetricFamily("appliance_replica_restarts", "Restarts of the replica, after a crash or by "
-                                   "maintenance (drain + restart).", labels=["replica"])
-    crashes = CounterMetricFamily("appliance_replica_crashes", "Times the replica's engine exited without being "
-                                  "asked to.", labels=["replica"])
-    spawn_failures = CounterMetricFamily("appliance_replica_spawn_failures", "Times the replica's engine process "
-                                         "could not even be started (ENOENT, ENOMEM, ENOSPC on its log...); the "
-                                         "supervisor retries with backoff.", labels=["replica"])
-    load = GaugeMetricFamily("appliance_replica_model_load_seconds", "Seconds from spawning the replica's engine to "
-                             "its first healthy /health at its latest start (model load + warm-up).",
-                             labels=["replica"])
-    restarted = GaugeMetricFamily("appliance_replica_last_restart_timestamp_seconds", "Unix time of the replica's "
-                                  "latest restart (absent until it has restarted once).", labels=["replica"])
+    starts = replica_counter("appliance_replica_starts", "Engine processes started for the replica (first "
+                             "start, restarts after crashes and maintenance restarts).")
+    restarts = replica_counter("appliance_replica_restarts", "Restarts of the replica, after a crash or by "
+                               "maintenance (drain + restart).")
+    crashes = replica_counter("appliance_replica_crashes", "Times the replica's engine exited without being "
+                              "asked to.")
+    spawn_failures = replica_counter("appliance_replica_spawn_failures", "Times the replica's engine process "
+                                     "could not even be started (ENOENT, ENOMEM, ENOSPC on its log...); the "
+                                     "supervisor retries with backoff.")
+    load = replica_gauge("appliance_replica_model_load_seconds", "Seconds from spawning the replica's engine to "
+                         "its first healthy /health at its latest start (model load + warm-up).")
+    restarted = replica_gauge("appliance_replica_last_restart_timestamp_seconds", "Unix time of the replica's "
+                              "latest restart (absent until it has restarted once).")
     for replica in replicas:
         status, name = replica.status, replica.name
         starts.add_metric([name], status.starts)

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from appliance.collectors.base import Clock, CollectorHealth, SafeCollector, ratio
+from appliance.collectors.base import Clock, CollectorHealth, SafeCollector, ratio, replica_counter, replica_gauge
 from appliance.collectors.procs import ProcessTable, ReplicaProcs
 
 STATS_FILE = re.compile(r"^(\d+)\.json$")
@@ -159,38 +159,35 @@ def _host_families() -> list[Metric]:
 
 
 def _rss_family(snapshot: dict[str, ReplicaProcs]) -> Metric:
-    family = GaugeMetricFamily(
+    family = replica_gauge(
         "appliance_engine_resident_memory_bytes", "Resident memory (RSS) summed over a replica's process tree, in "
-        "bytes; shared pages count once per process.", labels=["replica"])
+        "bytes; shared pages count once per process.")
     for name, procs in sorted(snapshot.items()):
         family.add_metric([name], procs.rss_bytes)
     return family
 
 
 def _allocator_families(totals: dict[str, dict[str, AllocatorTotals]]) -> list[Metric]:
-    reserved = GaugeMetricFamily(
+    reserved = replica_gauge(
         "appliance_engine_allocator_reserved_bytes", "Bytes a replica's allocators hold (cuda: PyTorch reserved "
-        "device memory; malloc: glibc arenas + mmapped chunks), summed over its processes.",
-        labels=["replica", "kind"])
-    allocated = GaugeMetricFamily(
+        "device memory; malloc: glibc arenas + mmapped chunks), summed over its processes.", "kind")
+    allocated = replica_gauge(
         "appliance_engine_allocator_allocated_bytes", "Bytes of the held memory in use by live allocations, "
-        "summed over a replica's processes.", labels=["replica", "kind"])
-    free_held = GaugeMetricFamily(
+        "summed over a replica's processes.", "kind")
+    free_held = replica_gauge(
         "appliance_engine_allocator_free_held_bytes", "Bytes the allocators hold but have not handed out (free "
-        "inside PyTorch's cache or glibc's arenas), summed over a replica's processes.", labels=["replica", "kind"])
-    fragmentation = GaugeMetricFamily(
+        "inside PyTorch's cache or glibc's arenas), summed over a replica's processes.", "kind")
+    fragmentation = replica_gauge(
         "appliance_engine_memory_fragmentation_ratio", "Free bytes held by a replica's allocators over the bytes "
-        "they hold (0..1); high and rising under steady load means fragmentation.", labels=["replica", "kind"])
-    inactive = GaugeMetricFamily(
+        "they hold (0..1); high and rising under steady load means fragmentation.", "kind")
+    inactive = replica_gauge(
         "appliance_engine_allocator_inactive_split_bytes", "PyTorch CUDA allocator: free bytes inside split "
-        "blocks (usable only by allocations that fit them), summed over a replica's processes.",
-        labels=["replica"])
-    retries = CounterMetricFamily(
+        "blocks (usable only by allocations that fit them), summed over a replica's processes.")
+    retries = replica_counter(
         "appliance_engine_allocation_retries", "PyTorch CUDA allocations that failed, flushed the cache and were "
-        "retried, summed over a replica's live processes (resets when they restart).", labels=["replica"])
-    ooms = CounterMetricFamily(
-        "appliance_engine_oom", "PyTorch CUDA out-of-memory errors, summed over a replica's live processes.",
-        labels=["replica"])
+        "retried, summed over a replica's live processes (resets when they restart).")
+    ooms = replica_counter(
+        "appliance_engine_oom", "PyTorch CUDA out-of-memory errors, summed over a replica's live processes.")
     for replica, per_kind in sorted(totals.items()):
         for kind, total in sorted(per_kind.items()):
             reserved.add_metric([replica, kind], total.held_bytes)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from appliance.collectors.base import Clock, CollectorHealth, SafeCollector
+from appliance.collectors.base import Clock, CollectorHealth, SafeCollector, replica_gauge
 from appliance.collectors.nvml import NvmlSource
 from appliance.collectors.probes import HostPeaks
 from appliance.collectors.procs import replica_cores, replica_device
@@ -261,22 +261,21 @@ class RooflineCollector(SafeCollector):
         return family
 
     def _replica_families(self, facts: ModelFacts | None, sources: set[str]) -> list[Metric]:
-        peak_bw = GaugeMetricFamily(
+        peak_bw = replica_gauge(
             "appliance_peak_memory_bandwidth_bytes_per_second", "Peak memory bandwidth of a replica's devices in "
-            "bytes/s: the MBU denominator (configured, NVML, or the copy probe).", labels=["replica"])
-        peak_flops = GaugeMetricFamily(
+            "bytes/s: the MBU denominator (configured, NVML, or the copy probe).")
+        peak_flops = replica_gauge(
             "appliance_peak_flops", "Peak FLOP/s (INT8 OP/s for an INT8 checkpoint on GPUs) of a replica's "
-            "devices: the MFU denominator (configured, datasheet, or the matmul probe).", labels=["replica"])
-        step_bytes = GaugeMetricFamily(
+            "devices: the MFU denominator (configured, datasheet, or the matmul probe).")
+        step_bytes = replica_gauge(
             "appliance_decode_step_bytes", "Bytes one decode step reads on a replica: weights plus the KV cache "
-            "in use, in bytes.", labels=["replica"])
-        mbu = GaugeMetricFamily(
+            "in use, in bytes.")
+        mbu = replica_gauge(
             "appliance_mbu_ratio", "Model bandwidth utilisation: bytes per decode step x decode steps/s over the "
-            "peak memory bandwidth (ratio; above 1 means the configured or probed peak is too low).",
-            labels=["replica"])
-        mfu = GaugeMetricFamily(
+            "peak memory bandwidth (ratio; above 1 means the configured or probed peak is too low).")
+        mfu = replica_gauge(
             "appliance_mfu_ratio", "Model FLOPs utilisation: 2 x parameters x tokens/s (prompt + generated) over "
-            "the peak FLOP/s (ratio).", labels=["replica"])
+            "the peak FLOP/s (ratio).")
         loads = self._router_load()
         now = self._clock()
         names = []

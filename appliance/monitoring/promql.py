@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from prometheus_client.utils import floatToGoString
+
 DEFAULT_VARIABLES: Mapping[str, str] = {"replica": ".*", "model": ".*", "tenant": ".*"}
 
 # Words that look like metric names but are PromQL syntax.
@@ -23,6 +25,13 @@ _MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGE = re.compile(r"\[[^\]]*\]")
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _IDENT = re.compile(r"(?<![\w.:])([a-zA-Z_:][\w:]*)(\s*\()?")
+
+
+def bucket_label(seconds: float) -> str:
+    """The ``le`` label of a histogram bucket bound exactly as prometheus_client exposes it (0.8 -> "0.8",
+    1 -> "1.0"): what a selector of that one bucket must match."""
+    label: str = floatToGoString(float(seconds))
+    return label
 
 
 def substitute(expr: str, *, rate_interval: str = "5m", variables: Mapping[str, str] | None = None) -> str:

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.utils import floatToGoString
 
 from appliance.gateway.observation.metrics import LATENCY_BUCKETS
 from appliance.monitoring import files
 from appliance.monitoring.config import MonitoringConfig, MonitoringConfigError, parse_config
+from appliance.monitoring.promql import bucket_label
 from appliance.paths import ALERTS_DIR
 
 RECORDING_FILE = "recording.rules.yaml"
@@ -68,18 +68,12 @@ def fill(text: str, **params: object) -> str:
 
 # --- recording rules -------------------------------------------------------------------------------------------
 
-def _le(seconds: float) -> str:
-    """The ``le`` label value prometheus_client writes for a bucket bound (0.8 -> "0.8", 1 -> "1.0")."""
-    label: str = floatToGoString(float(seconds))
-    return label
-
-
 def recording_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     """The recording rule groups: SLIs per window, latency percentiles, fleet and engine aggregates."""
     app = config.selectors.appliance
     vllm = config.selectors.vllm
     errors = config.slos.availability.error_code_regex
-    le = _le(config.slos.ttft.threshold_seconds)
+    le = bucket_label(config.slos.ttft.threshold_seconds)
     owners = config.selectors.owners
 
     sli = []
@@ -185,202 +179,153 @@ def _remediation(config: MonitoringConfig, items: list[Alert]) -> list[Alert]:
     return [replace(a, labels={**a.labels, "remediation": "auto"}) if a.name in auto else a for a in items]
 
 
+# How the per-replica cause alerts group their series: one alert per replica of each gateway or node.
+BY_REPLICA = "job, instance, replica"
+
+
+def _alert(config: MonitoringConfig, name: str, expr: str, summary: str, description: str,
+           severity: str = "warning", **values: object) -> Alert:
+    """The alert ``name`` with its knobs from alerts/config.yaml: its ``for:``, its severity where the knob has one
+    (else ``severity``), and every knob value (``{threshold}``, ``{window}``, ``{for_}``, ...) filled into the
+    expression, summary and description, along with the selectors ``{app}`` and ``{vllm}``, the grouping
+    ``{by}`` (:data:`BY_REPLICA`) and ``values`` (numbers the caller formats itself). A selector's own braces
+    enclose its placeholder: ``up{{app}}`` is ``up{job="appliance"}``."""
+    knob = getattr(config.alerts, name)
+    params = {"app": config.selectors.appliance, "vllm": config.selectors.vllm, "by": BY_REPLICA,
+              **knob.model_dump(), **values}
+    return Alert(name, fill(expr, **params), getattr(knob, "severity", severity), for_=knob.for_,
+                 summary=fill(summary, **params), description=fill(description, **params))
+
+
 def symptom_alerts(config: MonitoringConfig) -> list[Alert]:
     """What users feel, and so what pages: the SLO burn rates and an appliance that is down or has no replica."""
-    app = config.selectors.appliance
-    knobs = config.alerts
-    out: list[Alert] = []
-    out += _burn_alerts(config, "ApplianceAvailabilityBudgetBurn", "availability", "appliance_requests_errors",
-                        "Availability")
-    out += _burn_alerts(config, "ApplianceTTFTBudgetBurn", "ttft", "appliance_request_ttft_slow",
-                        "Time-to-first-token SLO")
-    out.append(Alert(
-        "ApplianceDown", f"up{{{app}}} == 0", "critical", for_=knobs.ApplianceDown.for_,
-        summary="Prometheus cannot scrape the appliance gateway.",
-        description="The gateway at {{ $labels.instance }} has not answered /metrics for "
-                    f"{knobs.ApplianceDown.for_}: clients are most likely failing too."))
-    out.append(Alert(
-        "ApplianceAbsent", f"absent(up{{{app}}})", "critical", for_=knobs.ApplianceAbsent.for_,
-        summary="No appliance gateway target is known to Prometheus.",
-        description=f"There is no up{{{app}}} series: the scrape job is missing from Prometheus' configuration "
-                    "or its target disappeared, so no other appliance alert can fire."))
-    out.append(Alert(
-        "ApplianceNoReadyReplica", f"job:appliance_replicas_ready:sum{{{app}}} == 0", "critical",
-        for_=knobs.ApplianceNoReadyReplica.for_,
-        summary="The appliance has no ready engine replica.",
-        description="No engine replica has been ready for "
-                    f"{knobs.ApplianceNoReadyReplica.for_}: requests queue, then fail with 429 or 503."))
-    return _remediation(config, out)
+    return _remediation(config, [
+        *_burn_alerts(config, "ApplianceAvailabilityBudgetBurn", "availability", "appliance_requests_errors",
+                      "Availability"),
+        *_burn_alerts(config, "ApplianceTTFTBudgetBurn", "ttft", "appliance_request_ttft_slow",
+                      "Time-to-first-token SLO"),
+        _alert(config, "ApplianceDown", "up{{app}} == 0",
+               "Prometheus cannot scrape the appliance gateway.",
+               "The gateway at {{ $labels.instance }} has not answered /metrics for {for_}: clients are most likely "
+               "failing too.", severity="critical"),
+        _alert(config, "ApplianceAbsent", "absent(up{{app}})",
+               "No appliance gateway target is known to Prometheus.",
+               "There is no up{{app}} series: the scrape job is missing from Prometheus' configuration or its target "
+               "disappeared, so no other appliance alert can fire.", severity="critical"),
+        _alert(config, "ApplianceNoReadyReplica", "job:appliance_replicas_ready:sum{{app}} == 0",
+               "The appliance has no ready engine replica.",
+               "No engine replica has been ready for {for_}: requests queue, then fail with 429 or 503.",
+               severity="critical"),
+    ])
 
 
-def cause_alerts(config: MonitoringConfig) -> list[Alert]:  # noqa: PLR0915 - one place that lists every cause
+def cause_alerts(config: MonitoringConfig) -> list[Alert]:
     """Why users may soon feel something, and so tickets: replicas, KV cache, memory, queues, drift, tenants."""
-    app = config.selectors.appliance
-    vllm = config.selectors.vllm
-    knobs = config.alerts
-    by = "job, instance, replica"
-    out: list[Alert] = []
-    out.append(Alert(
-        "ApplianceReplicaNotReady",
-        f'max by ({by}) (appliance_replica_state{{{app},state=~"starting|unhealthy|backoff"}}) == 1', "warning",
-        for_=knobs.ApplianceReplicaNotReady.for_,
-        summary="Replica {{ $labels.replica }} is out of service (starting, unhealthy or crashed).",
-        description="{{ $labels.replica }} has not been ready for " + knobs.ApplianceReplicaNotReady.for_
-                    + "; the other replicas carry its load."))
-    kv = knobs.ApplianceKVCacheNearFull
-    out.append(Alert(
-        "ApplianceKVCacheNearFull",
-        f"avg_over_time(appliance_engine_kv_cache_usage_ratio{{{app}}}[{kv.window}]) > {kv.threshold}",
-        "warning", for_=kv.for_,
-        summary="KV cache of {{ $labels.replica }} is nearly full.",
-        description="{{ $labels.replica }} used {{ $value | humanizePercentage }} of its KV-cache blocks on "
-                    f"average over {kv.window}: new sequences wait and running ones get preempted."))
-    queue = knobs.ApplianceQueueBacklog
-    out.append(Alert(
-        "ApplianceQueueBacklog", f"avg_over_time(appliance_queue_length{{{app}}}[{queue.window}]) > {queue.threshold}",
-        "warning", for_=queue.for_,
-        summary="Requests are queueing in the gateway.",
-        description="On average {{ $value | printf \"%.1f\" }} requests waited in the admission queue of "
-                    f"{{{{ $labels.instance }}}} over {queue.window}: demand exceeds the replicas' concurrency "
-                    "limits."))
-    lag = knobs.ApplianceEventLoopLagging
-    out.append(Alert(
-        "ApplianceEventLoopLagging",
-        "histogram_quantile(0.99, sum by (job, instance, pod, le) "
-        f"(rate(appliance_event_loop_lag_seconds_bucket{{{app}}}[{lag.window}])))\n> {lag.threshold}\n",
-        "warning", for_=lag.for_,
-        summary="The event loop of gateway {{ $labels.instance }} is lagging.",
-        description="P99 event-loop lag of the gateway at {{ $labels.instance }} was {{ $value | humanizeDuration }} "
-                    f"over {lag.window} (threshold {lag.threshold}s): every first token, relayed stream event and "
-                    "/health answer waits that long for its CPU-saturated or blocked event loop, so TTFT and ITL "
-                    "grow on every stream."))
-    shedding = knobs.ApplianceLoadShedding
-    out.append(Alert(
-        "ApplianceLoadShedding", f"job:appliance_admission_rejections:ratio_rate5m{{{app}}} > {shedding.threshold}",
-        "warning", for_=shedding.for_,
-        summary="The gateway is shedding load with 429.",
-        description="{{ $value | humanizePercentage }} of requests were rejected by admission control (429 + "
-                    "Retry-After) over the last 5m: capacity is short of demand."))
-    preemption = knobs.AppliancePreemptionStorm
-    out.append(Alert(
-        "AppliancePreemptionStorm",
-        f"sum by (job, model, replica) (rate(vllm:num_preemptions_total{{{vllm}}}[{preemption.window}])) "
-        f"> {preemption.threshold}",
-        "warning", for_=preemption.for_,
-        summary="vLLM on {{ $labels.replica }} keeps preempting sequences.",
-        description="{{ $labels.replica }} preempted {{ $value | printf \"%.2f\" }} sequences per second over "
-                    f"{preemption.window}: its KV cache cannot hold the running batch, so work is recomputed."))
-    busy = knobs.ApplianceComputeSaturated
-    out.append(Alert(
-        "ApplianceComputeSaturated",
-        f"avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{busy.window}]) > {busy.threshold}\n"
-        f"or\n(\n  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{busy.window}]) > {busy.threshold}\n"
-        f"  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{{app}}}\n)\n",
-        "warning", for_=busy.for_,
-        summary="Compute of {{ $labels.replica }} is saturated.",
-        description="{{ $labels.replica }}'s accelerator (GPU, or its pinned CPU cores on a CPU host) was "
-                    f"{{{{ $value | humanizePercentage }}}} busy on average over {busy.window}: more load will "
-                    "only add latency."))
-    mbu = knobs.ApplianceBandwidthBound
-    out.append(Alert(
-        "ApplianceBandwidthBound", f"avg_over_time(appliance_mbu_ratio{{{app}}}[{mbu.window}]) > {mbu.threshold}",
-        "warning", for_=mbu.for_,
-        summary="Decode on {{ $labels.replica }} is memory-bandwidth bound.",
-        description="Model bandwidth utilisation of {{ $labels.replica }} was {{ $value | humanizePercentage }} "
-                    f"over {mbu.window}: decode is at the memory roofline, larger batches will not raise "
-                    "throughput."))
-    starved = knobs.ApplianceAcceleratorStarved
-    w = starved.window
-    out.append(Alert(
-        "ApplianceAcceleratorStarved",
-        f"(\n(\n  max by ({by}) (avg_over_time(appliance_engine_process_cpu_ratio"
-        f'{{{app},process=~"api_server|engine_core"}}[{w}])) > {starved.feeder_cpu_threshold}\n'
-        f"  and on (job, instance, replica)\n"
-        f"  avg_over_time(appliance_replica_gpu_utilization_ratio{{{app}}}[{w}]) < {starved.accelerator_threshold}\n"
-        f")\nor\n(\n"
-        f"  avg_over_time(appliance_engine_cpu_utilization_ratio{{{app}}}[{w}]) < {starved.accelerator_threshold}\n"
-        f"  and on (job, instance)\n"
-        f"  avg_over_time(appliance_host_cpu_utilization_ratio{{{app}}}[{w}]) > {starved.host_cpu_threshold}\n"
-        f"  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{{app}}}\n"
-        f")\n)\nand on (job, instance, replica)\nappliance_engine_requests_running{{{app}}} > 0\n",
-        "warning", for_=starved.for_,
-        summary="The accelerator of {{ $labels.replica }} is starved by the CPU.",
-        description="{{ $labels.replica }} has running requests but its accelerator is underused while the CPU "
-                    "feeding it is saturated (GPU hosts: API server / engine core at one full core; CPU hosts: "
-                    "host CPU busy while the engine gets under " + f"{starved.accelerator_threshold} of its cores). "
-                    "Value: {{ $value | printf \"%.2f\" }}."))
-    frag = knobs.ApplianceFragmentationRising
-    out.append(Alert(
-        "ApplianceFragmentationRising",
-        f"max by ({by}) (appliance_engine_memory_fragmentation_ratio{{{app}}}) > {frag.threshold}\n"
-        f"and on (job, instance, replica)\n"
-        f"max by ({by}) (delta(appliance_engine_memory_fragmentation_ratio{{{app}}}[{frag.window}])) > {frag.rise}\n",
-        "warning", for_=frag.for_,
-        summary="Allocator fragmentation of {{ $labels.replica }} is high and rising.",
-        description="{{ $value | humanizePercentage }} of the memory {{ $labels.replica }}'s allocators hold is free "
-                    f"but unusable, up by more than {frag.rise} in {frag.window}. The appliance schedules a rolling "
-                    "restart in the next low-traffic window."))
-    hung = knobs.ApplianceReplicaHung
-    out.append(Alert(
-        "ApplianceReplicaHung", f"max by ({by}) (appliance_replica_hung{{{app}}}) == 1", hung.severity,
-        for_=hung.for_,
-        summary="Replica {{ $labels.replica }} is hung: running requests, no tokens.",
-        description="{{ $labels.replica }} has running requests but generated no token for the configured hang "
-                    "time, although its /health may stay green. The appliance restarts that replica itself."))
-    restarts = knobs.ApplianceRestartLoop
-    out.append(Alert(
-        "ApplianceRestartLoop",
-        f"increase(appliance_replica_crashes_total{{{app}}}[{restarts.window}]) >= {restarts.crashes}", "warning",
-        for_=restarts.for_,
-        summary="Replica {{ $labels.replica }} keeps crashing.",
-        description="The engine of {{ $labels.replica }} exited unasked {{ $value | printf \"%.0f\" }} times in "
-                    f"the last {restarts.window}; the supervisor restarts it with a growing backoff."))
-    spf = knobs.ApplianceReplicaSpawnFailing
-    out.append(Alert(
-        "ApplianceReplicaSpawnFailing",
-        f"max by ({by}) (increase(appliance_replica_spawn_failures_total{{{app}}}[{spf.window}])) > {spf.threshold}\n"
-        f"and on (job, instance, replica)\n"
-        f'max by ({by}) (appliance_replica_state{{{app},state=~"backoff|starting"}}) == 1\n',
-        "warning", for_=spf.for_,
-        summary="The engine of replica {{ $labels.replica }} cannot be started.",
-        description="Starting the engine process of {{ $labels.replica }} failed {{ $value | printf \"%.0f\" }} "
-                    f"times in the last {spf.window} (not a crash: the process never ran) and the replica is not "
-                    "ready. `appliance status` shows the last error; the supervisor keeps retrying with backoff."))
-    drain = knobs.ApplianceDrainStuck
-    out.append(Alert(
-        "ApplianceDrainStuck", f'max by ({by}) (appliance_replica_state{{{app},state="draining"}}) == 1', "warning",
-        for_=drain.for_,
-        summary="Replica {{ $labels.replica }} has been draining for " + drain.for_ + ".",
-        description="{{ $labels.replica }} has been out of routing (draining) for " + drain.for_ + ": a restart did "
-                    "not complete, or it was drained by hand and never returned. Capacity is reduced."))
-    drift = knobs.ApplianceSlotDrift
-    out.append(Alert(
-        "ApplianceSlotDrift", f"max by ({by}) (appliance_slot_drift{{{app}}}) == 1", "warning", for_=drift.for_,
-        summary="The gateway counts requests at {{ $labels.replica }} that its engine does not have.",
-        description="For " + drift.for_ + " the gateway has counted more requests in flight at {{ $labels.replica }} "
-                    "than its engine reports running or waiting (admission.slot_drift_seconds at a time): slots "
-                    "that no request uses, which shrink admission's room. Readiness turns 503 when no replica has "
-                    "room left but these."))
-    latency = knobs.ApplianceLatencyDrift
-    out.append(Alert(
-        "ApplianceLatencyDrift",
-        f"job:appliance_request_ttft_seconds:p95_rate1h{{{app}}}\n/\n"
-        f"job:appliance_request_ttft_seconds:p95_rate1d{{{app}}}\n> {latency.ratio}\n"
-        f"and\njob:appliance_request_ttft_seconds:p95_rate1h{{{app}}} > {latency.min_seconds}\n",
-        "warning", for_=latency.for_,
-        summary="P95 time to first token is drifting up.",
-        description="P95 TTFT over the last hour is {{ $value | printf \"%.2f\" }}x its value over the last day "
-                    f"(threshold {latency.ratio}x): a slow leak, fragmentation or a changed workload."))
-    slow_load = knobs.ApplianceSlowModelLoad
-    out.append(Alert(
-        "ApplianceSlowModelLoad",
-        f"max by ({by}) (appliance_replica_model_load_seconds{{{app}}}) > {slow_load.threshold_seconds}", "warning",
-        for_=slow_load.for_,
-        summary="Replica {{ $labels.replica }} took long to load its model.",
-        description="The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to "
-                    f"ready (threshold {slow_load.threshold_seconds}s): every restart costs that much capacity."))
-    out += _tenant_alerts(config)
-    return _remediation(config, out)
+    return _remediation(config, [
+        _alert(config, "ApplianceReplicaNotReady",
+               'max by ({by}) (appliance_replica_state{{app},state=~"starting|unhealthy|backoff"}) == 1',
+               "Replica {{ $labels.replica }} is out of service (starting, unhealthy or crashed).",
+               "{{ $labels.replica }} has not been ready for {for_}; the other replicas carry its load."),
+        _alert(config, "ApplianceKVCacheNearFull",
+               "avg_over_time(appliance_engine_kv_cache_usage_ratio{{app}}[{window}]) > {threshold}",
+               "KV cache of {{ $labels.replica }} is nearly full.",
+               "{{ $labels.replica }} used {{ $value | humanizePercentage }} of its KV-cache blocks on average over "
+               "{window}: new sequences wait and running ones get preempted."),
+        _alert(config, "ApplianceQueueBacklog", "avg_over_time(appliance_queue_length{{app}}[{window}]) > {threshold}",
+               "Requests are queueing in the gateway.",
+               'On average {{ $value | printf "%.1f" }} requests waited in the admission queue of '
+               "{{ $labels.instance }} over {window}: demand exceeds the replicas' concurrency limits."),
+        _alert(config, "ApplianceEventLoopLagging",
+               "histogram_quantile(0.99, sum by (job, instance, pod, le) "
+               "(rate(appliance_event_loop_lag_seconds_bucket{{app}}[{window}])))\n> {threshold}\n",
+               "The event loop of gateway {{ $labels.instance }} is lagging.",
+               "P99 event-loop lag of the gateway at {{ $labels.instance }} was {{ $value | humanizeDuration }} "
+               "over {window} (threshold {threshold}s): every first token, relayed stream event and /health answer "
+               "waits that long for its CPU-saturated or blocked event loop, so TTFT and ITL grow on every stream."),
+        _alert(config, "ApplianceLoadShedding", "job:appliance_admission_rejections:ratio_rate5m{{app}} > {threshold}",
+               "The gateway is shedding load with 429.",
+               "{{ $value | humanizePercentage }} of requests were rejected by admission control (429 + "
+               "Retry-After) over the last 5m: capacity is short of demand."),
+        _alert(config, "AppliancePreemptionStorm",
+               "sum by (job, model, replica) (rate(vllm:num_preemptions_total{{vllm}}[{window}])) > {threshold}",
+               "vLLM on {{ $labels.replica }} keeps preempting sequences.",
+               '{{ $labels.replica }} preempted {{ $value | printf "%.2f" }} sequences per second over {window}: '
+               "its KV cache cannot hold the running batch, so work is recomputed."),
+        _alert(config, "ApplianceComputeSaturated",
+               "avg_over_time(appliance_replica_gpu_utilization_ratio{{app}}[{window}]) > {threshold}\n"
+               "or\n(\n  avg_over_time(appliance_engine_cpu_utilization_ratio{{app}}[{window}]) > {threshold}\n"
+               "  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{app}}\n)\n",
+               "Compute of {{ $labels.replica }} is saturated.",
+               "{{ $labels.replica }}'s accelerator (GPU, or its pinned CPU cores on a CPU host) was "
+               "{{ $value | humanizePercentage }} busy on average over {window}: more load will only add latency."),
+        _alert(config, "ApplianceBandwidthBound", "avg_over_time(appliance_mbu_ratio{{app}}[{window}]) > {threshold}",
+               "Decode on {{ $labels.replica }} is memory-bandwidth bound.",
+               "Model bandwidth utilisation of {{ $labels.replica }} was {{ $value | humanizePercentage }} over "
+               "{window}: decode is at the memory roofline, larger batches will not raise throughput."),
+        _alert(config, "ApplianceAcceleratorStarved",
+               "(\n(\n  max by ({by}) (avg_over_time(appliance_engine_process_cpu_ratio"
+               '{{app},process=~"api_server|engine_core"}[{window}])) > {feeder_cpu_threshold}\n'
+               "  and on (job, instance, replica)\n"
+               "  avg_over_time(appliance_replica_gpu_utilization_ratio{{app}}[{window}]) < {accelerator_threshold}\n"
+               ")\nor\n(\n"
+               "  avg_over_time(appliance_engine_cpu_utilization_ratio{{app}}[{window}]) < {accelerator_threshold}\n"
+               "  and on (job, instance)\n"
+               "  avg_over_time(appliance_host_cpu_utilization_ratio{{app}}[{window}]) > {host_cpu_threshold}\n"
+               "  unless on (job, instance, replica) appliance_replica_gpu_utilization_ratio{{app}}\n"
+               ")\n)\nand on (job, instance, replica)\nappliance_engine_requests_running{{app}} > 0\n",
+               "The accelerator of {{ $labels.replica }} is starved by the CPU.",
+               "{{ $labels.replica }} has running requests but its accelerator is underused while the CPU feeding it "
+               "is saturated (GPU hosts: API server / engine core at one full core; CPU hosts: host CPU busy while "
+               "the engine gets under {accelerator_threshold} of its cores). "
+               'Value: {{ $value | printf "%.2f" }}.'),
+        _alert(config, "ApplianceFragmentationRising",
+               "max by ({by}) (appliance_engine_memory_fragmentation_ratio{{app}}) > {threshold}\n"
+               "and on (job, instance, replica)\n"
+               "max by ({by}) (delta(appliance_engine_memory_fragmentation_ratio{{app}}[{window}])) > {rise}\n",
+               "Allocator fragmentation of {{ $labels.replica }} is high and rising.",
+               "{{ $value | humanizePercentage }} of the memory {{ $labels.replica }}'s allocators hold is free but "
+               "unusable, up by more than {rise} in {window}. The appliance schedules a rolling restart in the next "
+               "low-traffic window."),
+        _alert(config, "ApplianceReplicaHung", "max by ({by}) (appliance_replica_hung{{app}}) == 1",
+               "Replica {{ $labels.replica }} is hung: running requests, no tokens.",
+               "{{ $labels.replica }} has running requests but generated no token for the configured hang time, "
+               "although its /health may stay green. The appliance restarts that replica itself."),
+        _alert(config, "ApplianceRestartLoop",
+               "increase(appliance_replica_crashes_total{{app}}[{window}]) >= {crashes}",
+               "Replica {{ $labels.replica }} keeps crashing.",
+               'The engine of {{ $labels.replica }} exited unasked {{ $value | printf "%.0f" }} times in the last '
+               "{window}; the supervisor restarts it with a growing backoff."),
+        _alert(config, "ApplianceReplicaSpawnFailing",
+               "max by ({by}) (increase(appliance_replica_spawn_failures_total{{app}}[{window}])) > {threshold}\n"
+               "and on (job, instance, replica)\n"
+               'max by ({by}) (appliance_replica_state{{app},state=~"backoff|starting"}) == 1\n',
+               "The engine of replica {{ $labels.replica }} cannot be started.",
+               'Starting the engine process of {{ $labels.replica }} failed {{ $value | printf "%.0f" }} times in '
+               "the last {window} (not a crash: the process never ran) and the replica is not ready. "
+               "`appliance status` shows the last error; the supervisor keeps retrying with backoff."),
+        _alert(config, "ApplianceDrainStuck", 'max by ({by}) (appliance_replica_state{{app},state="draining"}) == 1',
+               "Replica {{ $labels.replica }} has been draining for {for_}.",
+               "{{ $labels.replica }} has been out of routing (draining) for {for_}: a restart did not complete, or "
+               "it was drained by hand and never returned. Capacity is reduced."),
+        _alert(config, "ApplianceSlotDrift", "max by ({by}) (appliance_slot_drift{{app}}) == 1",
+               "The gateway counts requests at {{ $labels.replica }} that its engine does not have.",
+               "For {for_} the gateway has counted more requests in flight at {{ $labels.replica }} than its engine "
+               "reports running or waiting (admission.slot_drift_seconds at a time): slots that no request uses, "
+               "which shrink admission's room. Readiness turns 503 when no replica has room left but these."),
+        _alert(config, "ApplianceLatencyDrift",
+               "job:appliance_request_ttft_seconds:p95_rate1h{{app}}\n/\n"
+               "job:appliance_request_ttft_seconds:p95_rate1d{{app}}\n> {ratio}\n"
+               "and\njob:appliance_request_ttft_seconds:p95_rate1h{{app}} > {min_seconds}\n",
+               "P95 time to first token is drifting up.",
+               'P95 TTFT over the last hour is {{ $value | printf "%.2f" }}x its value over the last day '
+               "(threshold {ratio}x): a slow leak, fragmentation or a changed workload."),
+        _alert(config, "ApplianceSlowModelLoad",
+               "max by ({by}) (appliance_replica_model_load_seconds{{app}}) > {threshold_seconds}",
+               "Replica {{ $labels.replica }} took long to load its model.",
+               "The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to ready "
+               "(threshold {threshold_seconds}s): every restart costs that much capacity."),
+        *_tenant_alerts(config),
+    ])
 
 
 def meta_alerts(config: MonitoringConfig) -> list[Alert]:
@@ -396,21 +341,20 @@ def _tenant_alerts(config: MonitoringConfig) -> list[Alert]:
     """The tenants' two alerts (docs/tenants.md). Each tenant's series come from every gateway (several pods on
     Kubernetes): summed by (job, tenant), so one alert per tenant, whichever pods it used."""
     app = config.selectors.appliance
-    c = config.alerts.ApplianceTenantThrottled
-    throttled = Alert(
-        "ApplianceTenantThrottled",
-        f"sum by (job, tenant) (rate(appliance_tenant_rate_limited_total{{{app}}}[{c.window}]))\n/\n"
-        f"sum by (job, tenant) (rate(appliance_tenant_requests_total{{{app}}}[{c.window}]))\n> {c.threshold}\n",
-        "warning", for_=c.for_,
-        summary="Tenant {{ $labels.tenant }} is held at its quota.",
-        description="{{ $value | humanizePercentage }} of the answers to tenant {{ $labels.tenant }} over "
-                    f"{c.window} were 429 rate_limit_exceeded from its own quota (tokens_per_minute or "
-                    f"requests_per_minute), above {c.threshold * 100:g}% for {c.for_}: its quota is short of what it "
-                    "sends, or its client ignores Retry-After.")
+    throttled = _alert(
+        config, "ApplianceTenantThrottled",
+        "sum by (job, tenant) (rate(appliance_tenant_rate_limited_total{{app}}[{window}]))\n/\n"
+        "sum by (job, tenant) (rate(appliance_tenant_requests_total{{app}}[{window}]))\n> {threshold}\n",
+        "Tenant {{ $labels.tenant }} is held at its quota.",
+        "{{ $value | humanizePercentage }} of the answers to tenant {{ $labels.tenant }} over {window} were 429 "
+        "rate_limit_exceeded from its own quota (tokens_per_minute or requests_per_minute), above {percent}% for "
+        "{for_}: its quota is short of what it sends, or its client ignores Retry-After.",
+        percent=f"{config.alerts.ApplianceTenantThrottled.threshold * 100:g}")
     b = config.alerts.ApplianceTenantTTFTBurn
     w = b.window
-    bound = f"({b.factor} * (1 - {float(config.slos.ttft.objective)}))"
-    le = _le(config.slos.ttft.threshold_seconds)
+    objective = float(config.slos.ttft.objective)
+    bound = f"({b.factor} * (1 - {objective}))"
+    le = bucket_label(config.slos.ttft.threshold_seconds)
 
     def slow(metric: str, by: str) -> str:
         return (f"(\n  1 - (\n    sum by ({by}) (rate({metric}_bucket{{{app},le=\"{le}\"}}[{w}]))\n    /\n"
@@ -418,19 +362,19 @@ def _tenant_alerts(config: MonitoringConfig) -> list[Alert]:
 
     # The tenant's miss ratio over the bound, unless the whole fleet's is over it too (then everyone is slow:
     # ApplianceTTFTBudgetBurn's page), and only for a tenant with enough streamed requests to judge.
-    burn = Alert(
-        "ApplianceTenantTTFTBurn",
+    burn = _alert(
+        config, "ApplianceTenantTTFTBurn",
         f"{slow('appliance_tenant_ttft_seconds', 'job, tenant')} > {bound}\n"
         f"unless on (job)\n{slow('appliance_request_ttft_seconds', 'job')} > {bound}\n"
-        f"and on (job, tenant)\n"
-        f"sum by (job, tenant) (rate(appliance_tenant_ttft_seconds_count{{{app}}}[{w}])) > {b.min_request_rate}\n",
-        b.severity, for_=b.for_,
-        summary="Tenant {{ $labels.tenant }} misses the TTFT SLO while the fleet meets it.",
-        description="{{ $value | humanizePercentage }} of tenant {{ $labels.tenant }}'s streamed requests over "
-                    f"{w} had a time to first token over {config.slos.ttft.threshold_seconds}s, more than "
-                    f"{b.factor:g}x the budget of {round((1 - float(config.slos.ttft.objective)) * 100, 3)}%, "
-                    "while the fleet as a whole stays within that: fair share is not protecting it, or its "
-                    "prompts are much longer than the others'.")
+        "and on (job, tenant)\n"
+        "sum by (job, tenant) (rate(appliance_tenant_ttft_seconds_count{{app}}[{window}])) > {min_request_rate}\n",
+        "Tenant {{ $labels.tenant }} misses the TTFT SLO while the fleet meets it.",
+        "{{ $value | humanizePercentage }} of tenant {{ $labels.tenant }}'s streamed requests over {window} had a "
+        "time to first token over {threshold_seconds}s, more than {factor_g}x the budget of {budget}%, while the "
+        "fleet as a whole stays within that: fair share is not protecting it, or its prompts are much longer than "
+        "the others'.",
+        threshold_seconds=config.slos.ttft.threshold_seconds, factor_g=f"{b.factor:g}",
+        budget=round((1 - objective) * 100, 3))
     return [throttled, burn]
 
 

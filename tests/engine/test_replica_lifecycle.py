@@ -37,11 +37,19 @@ def test_ready_then_stop_leaves_no_process(tmp_path: Path) -> None:
     run(scenario)
 
 
+async def crashed(session: aiohttp.ClientSession, tmp_path: Path, run_seconds: str, crashes: int,
+                  **backoff: float) -> SupervisedReplica:
+    """A started replica whose engine exits with code 3 after ``run_seconds`` up, once it has crashed
+    ``crashes`` times."""
+    replica = SupervisedReplica(spec(tmp_path, "--exit-after", run_seconds, "3"), **backoff)
+    replica.start(session)
+    await wait_for(lambda: replica.status.crashes >= crashes)
+    return replica
+
+
 def test_a_crash_backs_off_then_restarts_and_backoff_doubles(tmp_path: Path) -> None:
     async def scenario(session: aiohttp.ClientSession) -> None:
-        replica = SupervisedReplica(spec(tmp_path, "--exit-after", "0.3", "3"), backoff_initial=0.2, backoff_max=30.0)
-        replica.start(session)
-        await wait_for(lambda: replica.status.crashes >= 1)
+        replica = await crashed(session, tmp_path, "0.3", 1, backoff_initial=0.2, backoff_max=30.0)
         assert replica.status.last_exit_code == 3
         assert replica._next_backoff() == 0.2  # first crash: the initial backoff
         await wait_for(lambda: replica.status.crashes >= 2)
@@ -55,9 +63,7 @@ def test_a_crash_backs_off_then_restarts_and_backoff_doubles(tmp_path: Path) -> 
 def test_a_stable_run_resets_the_backoff(tmp_path: Path) -> None:
     async def scenario(session: aiohttp.ClientSession) -> None:
         # It stays up longer than backoff_max before each crash: every crash counts as the first.
-        replica = SupervisedReplica(spec(tmp_path, "--exit-after", "1.5", "3"), backoff_initial=0.1, backoff_max=0.5)
-        replica.start(session)
-        await wait_for(lambda: replica.status.crashes >= 2)
+        replica = await crashed(session, tmp_path, "1.5", 2, backoff_initial=0.1, backoff_max=0.5)
         assert replica.status.consecutive_crashes == 1
         assert replica._next_backoff() == 0.1
         await replica.stop()

@@ -18,7 +18,7 @@ import yaml
 
 from appliance.monitoring import rules
 from appliance.monitoring.config import load_config
-from tests.integration.harness import ApplianceProcess, free_port_range
+from tests.integration.harness import ApplianceProcess, free_port_range, serving
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,15 +67,21 @@ def live_assets(root: Path) -> Path:
     return root
 
 
+def monitoring_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`appliance up`'s local Prometheus and Alertmanager (when installed) on two free ports, scraping every second
+    so that the tests need not wait for production intervals, and serving the live assets (live_assets)."""
+    port = free_port_range(2)
+    return {"APPLIANCE_MONITORING__PROMETHEUS_PORT": str(port),
+            "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(port + 1),
+            "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1",
+            "APPLIANCE_MONITORING__ASSETS_DIR": str(live_assets(tmp_path_factory.mktemp("assets")))}
+
+
 @pytest.fixture(scope="session")
 def appliance(demo_model_int8, tmp_path_factory):
     # `appliance up`, the README's command: the engines and the gateway, plus a local Prometheus and Alertmanager
-    # (when installed) that scrape every second so test_monitoring.py need not wait for production intervals.
-    monitoring = free_port_range(2)
-    env = {**SHARED_ENV, "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(monitoring),
-           "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(monitoring + 1),
-           "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1",
-           "APPLIANCE_MONITORING__ASSETS_DIR": str(live_assets(tmp_path_factory.mktemp("assets"))),
+    # (monitoring_env) for test_monitoring.py.
+    env = {**SHARED_ENV, **monitoring_env(tmp_path_factory),
            # Scheduled maintenance on, so its metrics (next window) exist, but it never acts during the tests:
            # the window is a month away and the memory triggers cannot be reached.
            "APPLIANCE_MAINTENANCE__ENABLED": "true",
@@ -84,12 +90,8 @@ def appliance(demo_model_int8, tmp_path_factory):
            "APPLIANCE_MAINTENANCE__MEMORY_GROWTH_THRESHOLD": "1000"}
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2,
                            env=env, command="up")
-    app.start()
-    try:
-        app.wait_ready(timeout=400)
-        yield app
-    finally:
-        app.stop(signal.SIGKILL if app.proc.poll() is None else signal.SIGTERM)
+    with serving(app, stop_signal=signal.SIGKILL) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +154,13 @@ class ApplianceProcess:
             self.proc.kill()
             return self.proc.wait()
 
+    @staticmethod
+    def stop_all(processes: Sequence[ApplianceProcess], timeout: float = 60) -> None:
+        """Stop those of ``processes`` that were started, the last started first."""
+        for process in reversed(processes):
+            if process.proc is not None:
+                process.stop(timeout=timeout)
+
     def monitoring_processes(self) -> list[psutil.Process]:
         """The local Prometheus and Alertmanager `appliance up` started."""
         assert self.proc is not None
@@ -176,6 +185,19 @@ class ApplianceProcess:
     def log_tail(self, lines: int = 40) -> str:
         path = self.state_dir / "appliance.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+@contextmanager
+def serving(app: ApplianceProcess, timeout: float = 400,
+            stop_signal: int = signal.SIGTERM) -> Iterator[ApplianceProcess]:
+    """``app`` started and ready (all its replicas) for the ``with`` block, stopped with ``stop_signal`` after it,
+    whatever happens in it: a fixture's ``with serving(app) as running: yield running``."""
+    app.start()
+    try:
+        app.wait_ready(timeout=timeout)
+        yield app
+    finally:
+        app.stop(stop_signal)
 
 
 # The multi-host tests' shared world: the DNS name the gateways discover nodes by, their admin token, and the

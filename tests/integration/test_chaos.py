@@ -32,8 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.engine.health import HEALTH_PROBE_TIMEOUT_SECONDS
 from appliance.engine.replica import SupervisedReplica
-from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV, live_assets
-from tests.integration.harness import ApplianceProcess, free_port_range
+from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV, monitoring_env
+from tests.integration.harness import ApplianceProcess, serving
 from tests.polling import eventually
 from tests.processes import paused
 from tests.tools import require_tool
@@ -223,23 +223,15 @@ def port_free(port: int) -> bool:
 def chaos_appliance(demo_model_int8, tmp_path_factory) -> Iterator[tuple[ApplianceProcess, str]]:
     require_tool("prometheus", "prometheus")
     require_tool("prometheus-alertmanager", "prometheus-alertmanager")
-    monitoring = free_port_range(2)
-    env = {**SHARED_ENV, "APPLIANCE_MONITORING__PROMETHEUS_PORT": str(monitoring),
-           "APPLIANCE_MONITORING__ALERTMANAGER_PORT": str(monitoring + 1),
-           "APPLIANCE_MONITORING__SCRAPE_INTERVAL_SECONDS": "1",
-           "APPLIANCE_MONITORING__ASSETS_DIR": str(live_assets(tmp_path_factory.mktemp("assets"))),
+    env = {**SHARED_ENV, **monitoring_env(tmp_path_factory),
            "APPLIANCE_MAINTENANCE__MIN_READY_REPLICAS": "1",
            "APPLIANCE_MAINTENANCE__HUNG_AFTER_SECONDS": str(HUNG_AFTER),
            "APPLIANCE_MAINTENANCE__ALERT_ACTION_MIN_INTERVAL_SECONDS": "0",  # only the controller's guards hold
            "APPLIANCE_DRAIN_TIMEOUT_SECONDS": "10"}
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("chaos"), replicas=2, env=env,
                            command="up")
-    app.start()
-    try:
-        app.wait_ready(timeout=400)
-        yield app, f"http://127.0.0.1:{monitoring + 1}"
-    finally:
-        app.stop(signal.SIGTERM if app.proc.poll() is None else signal.SIGKILL)
+    with serving(app) as running:
+        yield running, f"http://127.0.0.1:{env['APPLIANCE_MONITORING__ALERTMANAGER_PORT']}"
 
 
 def test_chaos_under_streaming_load(chaos_appliance) -> None:

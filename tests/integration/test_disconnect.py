@@ -36,7 +36,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import ApplianceProcess
+from tests.integration.harness import ApplianceProcess, serving
 from tests.processes import paused
 
 pytestmark = pytest.mark.engine
@@ -48,12 +48,8 @@ MAX_TOKENS = 1000
 @pytest.fixture(scope="module")
 def single(demo_model_int8, tmp_path_factory):
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("disconnect"), replicas=1)
-    app.start()
-    try:
-        app.wait_ready(timeout=400)
-        yield app
-    finally:
-        app.stop()
+    with serving(app) as running:
+        yield running
 
 
 def sample_sum(url: str, name: str, **labels: str) -> float:

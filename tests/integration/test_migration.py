@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.engine.load import parse_engine_load
 from tests.integration.conftest import ADMIN_TOKEN, SHARED_ENV
-from tests.integration.harness import ApplianceProcess
+from tests.integration.harness import ApplianceProcess, serving
 from tests.polling import eventually
 from tests.processes import paused
 
@@ -305,12 +305,8 @@ def short_drain(demo_model_int8, tmp_path_factory):
                                 # CPU shared with 24 streams and the compose build, answered /health in over 2 s
                                 # three times in a row: a CI run saw both replicas marked unhealthy that way
                                 "APPLIANCE_ENGINE__HEALTH_TIMEOUT_SECONDS": "10"})
-    app.start()
-    try:
-        app.wait_ready(timeout=400)
-        yield app
-    finally:
-        app.stop(signal.SIGTERM if app.proc.poll() is None else signal.SIGKILL)
+    with serving(app) as running:
+        yield running
 
 
 def test_a_restart_whose_drain_times_out_moves_the_streams_instead_of_cutting_them(short_drain):

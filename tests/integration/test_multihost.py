@@ -162,7 +162,5 @@ def test_gateways_follow_nodes_through_dns(demo_model_int8, tmp_path):
         assert max(left_after + joined_after) < 10 * INTERVAL + 5
     finally:
         stop_load.set()
-        for process in reversed(started):
-            if process.proc is not None:
-                process.stop(timeout=60)
+        ApplianceProcess.stop_all(started)
         dns.stop()

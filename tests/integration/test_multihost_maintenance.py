@@ -149,7 +149,5 @@ def test_node_restarts_in_one_window_never_overlap_nor_drop_below_min_ready(demo
         assert lease["granted"] == 2 and lease["holder"] is None
     finally:
         stop_sampling.set()
-        for process in reversed(started):
-            if process.proc is not None:
-                process.stop(timeout=60)
+        ApplianceProcess.stop_all(started)
         dns.stop()

@@ -21,10 +21,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import ApplianceProcess
+from tests.integration.harness import ApplianceProcess, serving
 
 pytestmark = pytest.mark.engine
 
+METRICS_TOKEN = "tenants-metrics"
 TENANTS = [{"name": "team-a", "api_keys": ["key-a"]},
            {"name": "team-b", "api_keys": ["key-b"], "weight": 2},
            {"name": "team-q", "api_keys": ["key-q"], "requests_per_minute": 1}]
@@ -37,17 +38,14 @@ PROMPTS = {"completions": "The import system of Python finds modules, loads them
 @pytest.fixture(scope="module")
 def single(demo_model_int8, tmp_path_factory):
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("tenants"), replicas=1,
-                           env={"APPLIANCE_TENANTS": json.dumps(TENANTS)})
-    app.start()
-    try:
-        app.wait_ready(timeout=400)
-        yield app
-    finally:
-        app.stop()
+                           env={"APPLIANCE_TENANTS": json.dumps(TENANTS), "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN})
+    with serving(app) as running:
+        yield running
 
 
 def samples(url: str, name: str) -> dict[tuple, float]:
-    text = httpx.get(url, timeout=30).text
+    # The gateway's /metrics names the tenants and their usage: closed to all but Prometheus once keys are set.
+    text = httpx.get(url, headers={"authorization": f"Bearer {METRICS_TOKEN}"}, timeout=30).text
     return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
             for s in family.samples if s.name == name}
 

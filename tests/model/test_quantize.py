@@ -51,24 +51,37 @@ def test_report_size_and_quality(quantized: tuple[Path, dict], demo_model_dir: P
     json.dumps(report)  # the CLI prints it as JSON
 
 
-def test_tensor_layout(quantized: tuple[Path, dict], demo_model_dir: Path) -> None:
-    dst, _ = quantized
+def _check_layout(dst: Path, demo_model_dir: Path, weights: torch.dtype, scales: torch.dtype,
+                  kept: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """What both schemes write: each linear of a decoder layer as a ``weights`` tensor of its shape with one
+    ``scales`` scale per output row, every other tensor (embeddings, norms) as it was (and of dtype ``kept``,
+    where given). Returns (original, quantized, scale) of each linear, for the scheme's own checks."""
     original = load_file(demo_model_dir / "model.safetensors")
     tensors = load_file(dst / "model.safetensors")
+    linears = []
     for name, tensor in original.items():
         module = name.removesuffix(".weight")
         if name.startswith("model.layers.") and module.rsplit(".", 1)[-1] in LINEARS:
             q, scale = tensors[name], tensors[module + ".weight_scale"]
-            assert q.dtype == torch.int8 and q.shape == tensor.shape
-            assert scale.dtype == torch.bfloat16 and scale.shape == (tensor.shape[0], 1)
-            assert q.abs().max() <= 127
-            error = (q.float() * scale.float() - tensor.float()).abs()
-            assert (error <= scale.float() * 0.51).all()
-        else:  # embeddings and norms stay as they were
-            assert tensors[name].dtype == torch.bfloat16
+            assert q.dtype == weights and q.shape == tensor.shape
+            assert scale.dtype == scales and scale.shape == (tensor.shape[0], 1)
+            linears.append((tensor, q, scale))
+        else:
+            assert kept is None or tensors[name].dtype == kept
             assert torch.equal(tensors[name], tensor)
+    return linears
+
+
+def test_tensor_layout(quantized: tuple[Path, dict], demo_model_dir: Path) -> None:
+    dst, _ = quantized
+    linears = _check_layout(dst, demo_model_dir, torch.int8, torch.bfloat16, kept=torch.bfloat16)
+    for tensor, q, scale in linears:
+        assert q.abs().max() <= 127
+        error = (q.float() * scale.float() - tensor.float()).abs()
+        assert (error <= scale.float() * 0.51).all()
+    tensors = load_file(dst / "model.safetensors")
     assert "lm_head.weight" not in tensors
-    assert len(tensors) == len(original) + 4 * len(LINEARS)
+    assert len(tensors) == len(load_file(demo_model_dir / "model.safetensors")) + 4 * len(LINEARS)
 
 
 def test_config_and_side_files(quantized: tuple[Path, dict], demo_model_dir: Path) -> None:
@@ -165,16 +178,7 @@ def test_fp8_report(quantized_fp8: tuple[Path, dict], demo_model_dir: Path) -> N
 
 def test_fp8_tensor_layout_and_config(quantized_fp8: tuple[Path, dict], demo_model_dir: Path) -> None:
     dst, _ = quantized_fp8
-    original = load_file(demo_model_dir / "model.safetensors")
-    tensors = load_file(dst / "model.safetensors")
-    for name, tensor in original.items():
-        module = name.removesuffix(".weight")
-        if name.startswith("model.layers.") and module.rsplit(".", 1)[-1] in LINEARS:
-            q, scale = tensors[name], tensors[module + ".weight_scale"]
-            assert q.dtype == torch.float8_e4m3fn and q.shape == tensor.shape
-            assert scale.dtype == torch.float32 and scale.shape == (tensor.shape[0], 1)
-        else:
-            assert torch.equal(tensors[name], tensor)
+    _check_layout(dst, demo_model_dir, torch.float8_e4m3fn, torch.float32)
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["format"]) == ("compressed-tensors", "float-quantized")
     group = qc["config_groups"]["group_0"]

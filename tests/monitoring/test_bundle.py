@@ -135,6 +135,15 @@ def test_prometheus_uses_the_read_only_metrics_token_never_the_admin_token(tmp_p
     assert "authorization" not in _job(plain, "appliance")  # no metrics token: /metrics stays open, as before
 
 
+def test_with_api_keys_and_no_metrics_token_prometheus_scrapes_metrics_with_the_admin_token(tmp_path) -> None:
+    """/metrics (tenant names, usage, quota levels) is closed once API keys are set: the local Prometheus
+    (`appliance up`) must then send the admin token there, as it does to /sd/targets."""
+    bundle = write_bundle(tmp_path / "keyed", Settings(admin_token="adm-s3cret", api_keys=["k1"]), gateway="g:1",
+                          alertmanager=None, prometheus="p:2", env={})
+    assert _job(bundle, "appliance")["authorization"] == {"type": "Bearer", "credentials": "adm-s3cret"}
+    assert stat.S_IMODE(bundle.prometheus_config.stat().st_mode) == 0o600
+
+
 def test_alertmanager_posts_with_the_alerts_token_when_set_else_the_admin_token(tmp_path) -> None:
     def credentials(bundle) -> str:
         return _receivers(bundle)["appliance"]["webhook_configs"][0]["http_config"]["authorization"]["credentials"]

@@ -261,13 +261,16 @@ def test_substitution_rejects_unknown_variables() -> None:
 # --- metric names: the contract with the gateway, collectors, maintenance and vLLM ---------------------------------
 
 _CONSTRUCTOR = re.compile(
-    r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily|HistogramMetricFamily)\(\s*"
+    r"\b(Counter|Gauge|Histogram|Summary|CounterMetricFamily|GaugeMetricFamily|HistogramMetricFamily"
+    r"|replica_counter|replica_gauge)\(\s*"
     r'(?:name=)?"(appliance_\w+)"')
 _TABLE_ROW = re.compile(r'\(\s*"\w+",\s*"(appliance_\w+)",')  # the collectors' (key, metric, doc) gauge tables
 _VLLM = re.compile(r'self\._(gauge|counter|histogram)_cls\(\s*name="(vllm:\w+)"')
 _VLLM_INFO = re.compile(r'\bname = "(vllm:\w+_info)"')  # info metrics: a gauge set to 1, config as labels
 KINDS = {"Counter": "counter", "CounterMetricFamily": "counter", "Gauge": "gauge", "GaugeMetricFamily": "gauge",
-         "Histogram": "histogram", "HistogramMetricFamily": "histogram", "Summary": "summary"}
+         "Histogram": "histogram", "HistogramMetricFamily": "histogram", "Summary": "summary",
+         # the collectors' per-replica families (appliance.collectors.base)
+         "replica_counter": "counter", "replica_gauge": "gauge"}
 
 
 def appliance_catalogue() -> dict[str, str]:

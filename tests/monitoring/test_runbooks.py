@@ -139,7 +139,7 @@ def test_labels_read_from_the_alert_survive_its_expression(path: Path) -> None:
 
 def test_no_ready_replica_runbook_tells_what_clients_get() -> None:
     """Issue 19: it said requests queue then get 429; the gateway answers 503 no_ready_replica with Retry-After."""
-    source = (REPO / "appliance" / "gateway" / "admission.py").read_text()
+    source = (REPO / "appliance" / "gateway" / "admission" / "queue.py").read_text()
     assert 'code="no_ready_replica"' in source and '"Retry-After"' in source
     impact = (REPO / "docs" / "runbooks" / "ApplianceNoReadyReplica.md").read_text().split("## Impact", 1)[1]
     impact = impact.split("##", 1)[0]

@@ -9,7 +9,7 @@ from appliance.monitoring.dashboards.board import Section, Selectors, dashboard,
 from appliance.monitoring.dashboards.panels import (
     RATE,
     heatmap,
-    increase,
+    increase_by,
     rate,
     runbooks,
     stat,
@@ -159,8 +159,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                    description="Requests at the replicas and requests waiting at the gateway."),
         timeseries(16, "Outlier ejections",
                    target(f"appliance_replica_ejected{{{gw_replica}}}", "ejected {{replica}}"),
-                   target(increase("appliance_replica_ejections_total", gw_replica, by="replica"),
-                          "ejections {{replica}}"),
+                   increase_by("appliance_replica_ejections_total", gw_replica, "replica", "ejections"),
                    target(f"appliance_routing_panic{{{gw}}}", "panic (ejection ignored)"),
                    unit="none", description="1 while the router has ejected a replica for slow or failing "
                                             "responses, and ejections per interval. Panic is 1 while so many "

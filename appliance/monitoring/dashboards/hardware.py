@@ -9,7 +9,7 @@ from typing import Any
 
 from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
-from appliance.monitoring.dashboards.panels import RATE, gauge, increase, runbooks, stat, table, target, timeseries
+from appliance.monitoring.dashboards.panels import RATE, gauge, increase_by, runbooks, stat, table, target, timeseries
 
 UID = "appliance-hardware"
 STARVED = "ApplianceAcceleratorStarved"
@@ -20,6 +20,10 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
     sel = Selectors.of(config)
     gw, gw_replica = sel.gateway, sel.gateway_replica
     knobs = config.alerts
+    # The host's and the gateway's own series, shown alone now and next to the engines' over time.
+    host_cpu = f"appliance_host_cpu_utilization_ratio{{{gw}}}"
+    gateway_cpu = f"appliance_gateway_cpu_ratio{{{gw}}}"
+    host_available = f"appliance_host_memory_available_bytes{{{gw}}}"
     panels = [
         gauge(1, "MBU (mean)", target(f"avg(appliance_mbu_ratio{{{gw_replica}}})"), unit="percentunit",
               thresholds=[(None, "blue"), (0.5, "green"), (knobs.ApplianceBandwidthBound.threshold, "orange")],
@@ -30,17 +34,17 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
               thresholds=[(None, "blue"), (0.4, "green"), (0.8, "orange")],
               description="Model FLOPs utilisation: 2 x parameters x tokens/s over peak FLOP/s (prefill is "
                           "compute bound)."),
-        gauge(3, "Host CPU", target(f"appliance_host_cpu_utilization_ratio{{{gw}}}"), unit="percentunit",
+        gauge(3, "Host CPU", target(host_cpu), unit="percentunit",
               thresholds=[(None, "green"), (0.8, "orange"), (0.95, "red")],
               description="Busy fraction of all host CPU time."),
-        gauge(4, "Gateway CPU", target(f"appliance_gateway_cpu_ratio{{{gw}}}"), unit="percentunit",
+        gauge(4, "Gateway CPU", target(gateway_cpu), unit="percentunit",
               thresholds=[(None, "green"), (0.7, "orange"), (0.9, "red")],
               description="The gateway's single event-loop thread; near 100 % the gateway itself is the "
                           "bottleneck."),
         stat(5, "Max GPU temperature", target(f"max(appliance_gpu_temperature_celsius{{{gw}}})"), unit="celsius",
              w=4, h=6, thresholds=[(None, "green"), (80, "orange"), (88, "red")],
              description="Hottest GPU core (NVML); absent on CPU hosts."),
-        stat(6, "Host memory available", target(f"appliance_host_memory_available_bytes{{{gw}}}"), unit="bytes",
+        stat(6, "Host memory available", target(host_available), unit="bytes",
              w=4, h=6, description="Memory the host can still give to new allocations without swapping."),
         timeseries(7, "Compute utilisation by replica",
                    target(f"appliance_replica_gpu_utilization_ratio{{{gw_replica}}}", "gpu {{replica}}"),
@@ -69,7 +73,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                                "used (GPM)."),
         timeseries(11, "Resident memory by replica",
                    target(f"appliance_engine_resident_memory_bytes{{{gw_replica}}}", "{{replica}}"),
-                   target(f"appliance_host_memory_available_bytes{{{gw}}}", "host available"), unit="bytes",
+                   target(host_available, "host available"), unit="bytes",
                    description="RSS of each replica's process tree, and what the host has left; steady growth "
                                "under steady load is a leak."),
         timeseries(12, "GPU memory", target(f"appliance_gpu_memory_used_bytes{{{gw}}}", "used gpu{{gpu}}"),
@@ -95,9 +99,8 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                                "steady load means a large allocation may fail despite free memory (restart in a "
                                "low-traffic window)."),
         timeseries(15, "Allocation retries and OOMs",
-                   target(increase("appliance_engine_allocation_retries_total", gw_replica, by="replica"),
-                          "retries {{replica}}"),
-                   target(increase("appliance_engine_oom_total", gw_replica, by="replica"), "OOM {{replica}}"),
+                   increase_by("appliance_engine_allocation_retries_total", gw_replica, "replica", "retries"),
+                   increase_by("appliance_engine_oom_total", gw_replica, "replica", "OOM"),
                    unit="none", description="PyTorch CUDA allocations that flushed the cache and retried, and "
                                             "out-of-memory errors, per interval."),
         timeseries(16, "GPU temperature", target(f"appliance_gpu_temperature_celsius{{{gw}}}", "gpu{{gpu}}"),
@@ -107,8 +110,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                    target(f"appliance_gpu_power_limit_watts{{{gw}}}", "limit gpu{{gpu}}"), unit="watt",
                    description="Power draw against the enforced limit; at the limit clocks drop."),
         timeseries(18, "Host CPU vs engine CPU",
-                   target(f"appliance_host_cpu_utilization_ratio{{{gw}}}", "host"),
-                   target(f"appliance_gateway_cpu_ratio{{{gw}}}", "gateway"),
+                   target(host_cpu, "host"), target(gateway_cpu, "gateway"),
                    target(f"appliance_engine_process_cpu_ratio{{{gw_replica}}}", "{{replica}} {{process}}"),
                    unit="percentunit", min_=0, max_=1, links=runbooks(config, STARVED),
                    description="Host busy fraction against each engine process role (api_server, engine_core, "
@@ -122,8 +124,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
               description="Which source each collector read on the latest scrape (nvml, gpm, cpu_time, ...); "
                           "'none' means its metrics are absent, not zero."),
         timeseries(21, "Collector errors and duration",
-                   target(increase("appliance_collector_errors_total", gw, by="collector, source"),
-                          "errors {{collector}} {{source}}"),
+                   increase_by("appliance_collector_errors_total", gw, "collector, source", "errors"),
                    target(f"appliance_collector_duration_seconds{{{gw}}}", "duration {{collector}}"), unit="short",
                    description="Failed source reads per interval (a metric went missing, the scrape survived) "
                                "and each collector's share of the /metrics time in seconds."),

@@ -10,6 +10,7 @@ from appliance.monitoring.dashboards.board import Section, Selectors, dashboard,
 from appliance.monitoring.dashboards.panels import (
     heatmap,
     increase,
+    increase_by,
     runbooks,
     stat,
     state_timeline,
@@ -56,14 +57,10 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
                        description="Each replica's life-cycle state over time: starting until /health answers, "
                                    "ready, unhealthy after failed probes, draining, backoff after a crash."),
         timeseries(8, "Restarts and crashes",
-                   target(increase("appliance_replica_restarts_total", gw_replica, by="replica"),
-                          "restarts {{replica}}"),
-                   target(increase("appliance_replica_crashes_total", gw_replica, by="replica"),
-                          "crashes {{replica}}"),
-                   target(increase("appliance_replica_starts_total", gw_replica, by="replica"),
-                          "starts {{replica}}"),
-                   target(increase("appliance_replica_spawn_failures_total", gw_replica, by="replica"),
-                          "spawn failures {{replica}}"),
+                   increase_by("appliance_replica_restarts_total", gw_replica, "replica", "restarts"),
+                   increase_by("appliance_replica_crashes_total", gw_replica, "replica", "crashes"),
+                   increase_by("appliance_replica_starts_total", gw_replica, "replica", "starts"),
+                   increase_by("appliance_replica_spawn_failures_total", gw_replica, "replica", "spawn failures"),
                    unit="none", links=runbooks(config, "ApplianceRestartLoop", "ApplianceReplicaSpawnFailing"),
                    description="Engine starts, restarts, unrequested exits and failed spawns (the engine process "
                                "could not even be started) per interval; crashes that repeat are a restart loop."),
@@ -79,14 +76,13 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
         timeseries(11, "Drains",
                    target(f'sum by (replica) (appliance_replica_state{{{owners_replica}, state="draining"}})',
                           "draining {{replica}}"),
-                   target(increase("appliance_maintenance_actions_total", gw + ', action=~"drain.*"', by="result"),
-                          "drain actions {{result}}"),
+                   increase_by("appliance_maintenance_actions_total", gw + ', action=~"drain.*"', "result",
+                               "drain actions"),
                    unit="none", links=runbooks(config, DRAIN_STUCK),
                    description="1 while a replica drains, and drain actions taken by maintenance "
                                             "per interval; a drain that stays at 1 is stuck."),
         timeseries(12, "Maintenance actions",
-                   target(increase("appliance_maintenance_actions_total", gw, by="action, trigger, result"),
-                          "{{action}} {{trigger}} {{result}}"),
+                   increase_by("appliance_maintenance_actions_total", gw, "action, trigger, result"),
                    unit="none", description="Drains, restarts and rolling restarts per interval, by trigger "
                                             "(admin, schedule, alert) and result (ok, failed, aborted, dry_run, "
                                             "rate_limited, skipped)."),
@@ -107,18 +103,15 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
         timeseries(16, "Slot surplus over the engine",
                    target(f"appliance_slot_surplus{{{gw_replica}}}", "surplus {{replica}}"),
                    target(f"appliance_slot_drift{{{gw_replica}}}", "drift {{replica}}"),
-                   target(increase("appliance_slot_orphans_returned_total", gw, by="replica"),
-                          "orphans returned {{replica}}"),
-                   target(increase("appliance_slot_leases_reclaimed_total", gw, by="replica"),
-                          "leases reclaimed {{replica}}"),
+                   increase_by("appliance_slot_orphans_returned_total", gw, "replica", "orphans returned"),
+                   increase_by("appliance_slot_leases_reclaimed_total", gw, "replica", "leases reclaimed"),
                    unit="none", min_=0, links=runbooks(config, "ApplianceSlotDrift"),
                    description="Requests the gateway counts in flight at a replica beyond what its engine reports "
                                "running + waiting (short spikes are normal), 1 while that surplus has lasted "
                                "admission.slot_drift_seconds, and slots the gateway's own safety nets returned "
                                "(both should stay 0)."),
         timeseries(17, "Stream migrations",
-                   target(increase("appliance_stream_migrations_total", gw, by="reason, outcome"),
-                          "{{reason}} {{outcome}}"),
+                   increase_by("appliance_stream_migrations_total", gw, "reason, outcome"),
                    target(increase("appliance_stream_migration_replayed_tokens_total", gw), "tokens replayed"),
                    unit="none", description="Broken answers the gateway tried to continue on another replica per "
                                             "interval, by why they broke (connection, idle_timeout, engine_error, "

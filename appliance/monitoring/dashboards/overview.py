@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.utils import floatToGoString
-
 from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, resolve
 from appliance.monitoring.dashboards.panels import (
@@ -22,6 +20,7 @@ from appliance.monitoring.dashboards.panels import (
     tidy,
     timeseries,
 )
+from appliance.monitoring.promql import bucket_label
 
 UID = "appliance-overview"
 TTFT_BURN, AVAILABILITY_BURN = "ApplianceTTFTBudgetBurn", "ApplianceAvailabilityBudgetBurn"
@@ -37,7 +36,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
     ttft = "appliance_request_ttft_seconds"
     total = rate(requests, gw)
     server_errors = gw + f', code=~"{slos.availability.error_code_regex}"'
-    within_slo = gw + f', le="{floatToGoString(slos.ttft.threshold_seconds)}"'  # the label exactly as exposed
+    within_slo = gw + f', le="{bucket_label(slos.ttft.threshold_seconds)}"'
     errors = f"({rate(requests, server_errors)} or vector(0))"
     attainment = f"{rate(ttft + '_bucket', within_slo)} / {rate(ttft + '_count', gw)}"
     ttft_budget = tidy(1 - slos.ttft.objective)

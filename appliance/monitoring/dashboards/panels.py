@@ -191,3 +191,10 @@ def rate(metric: str, selector: str, *, by: str = "") -> str:
 def increase(metric: str, selector: str, *, by: str = "") -> str:
     grouping = f" by ({by})" if by else ""
     return f"sum{grouping} (increase({metric}{{{selector}}}[{RATE}]))"
+
+
+def increase_by(metric: str, selector: str, by: str, what: str = "") -> Target:
+    """A counter's increase per interval, one series per ``by`` group, its legend ``what`` and then the group's
+    labels (``by="replica", what="restarts"``: "restarts {{replica}}")."""
+    labels = " ".join(f"{{{{{label.strip()}}}}}" for label in by.split(","))
+    return target(increase(metric, selector, by=by), f"{what} {labels}" if what else labels)

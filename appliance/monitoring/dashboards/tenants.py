@@ -11,20 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client.utils import floatToGoString
-
 from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, label_values, resolve
-from appliance.monitoring.dashboards.panels import (
-    RATE,
-    heatmap,
-    rate,
-    runbooks,
-    stat,
-    target,
-    tidy,
-    timeseries,
-)
+from appliance.monitoring.dashboards.panels import RATE, heatmap, rate, runbooks, stat, target, tidy, timeseries
+from appliance.monitoring.promql import bucket_label
 
 UID = "appliance-tenants"
 THROTTLED, TTFT_BURN = "ApplianceTenantThrottled", "ApplianceTenantTTFTBurn"
@@ -44,7 +34,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
     gw = sel.gateway
     t = f'{gw}, tenant=~"$tenant"'  # the selected tenants' series
     slo = config.slos.ttft
-    le = floatToGoString(float(slo.threshold_seconds))  # the bucket label exactly as exposed
+    le = bucket_label(slo.threshold_seconds)
     budget = tidy(1 - slo.objective)
     burn = config.alerts.ApplianceTenantTTFTBurn
     bound = tidy(burn.factor * budget)
