@@ -78,8 +78,16 @@ COPY docs/runbooks ./docs/runbooks
 RUN pip install --no-index --no-deps --no-build-isolation . && rm -rf build *.egg-info
 # A fixed UID, so that a host folder mounted as APPLIANCE_MODELS_DIR can be given to it: chown 10001.
 # The models folder exists (owned by the appliance) so that a fresh named volume mounted there inherits it.
+# appliance-engine (10002, a group of its own and no other): the engines' user where the appliance can switch to it
+# (engine.user; compose starts the image as root for that, deploy/image/entrypoint): it reads the models and
+# writes only its home (a volume in compose), never the appliance's secrets. The state folder is searchable by it
+# (o+x, not listable), so that it reaches the models and the statistics folder below.
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /var/lib/appliance appliance \
+    && useradd --system --uid 10002 --user-group --create-home --home-dir /var/lib/appliance-engine \
+       --shell /usr/sbin/nologin appliance-engine \
+    && chmod 0711 /var/lib/appliance && chmod 0700 /var/lib/appliance-engine \
     && install -d -o appliance -g appliance /var/lib/appliance/models /var/lib/appliance/logs
+COPY deploy/image/entrypoint /usr/local/bin/appliance-entrypoint
 USER appliance
 # Engine output on the container's stdout too (`docker logs`), besides the rotated files under logs/.
 ENV APPLIANCE_ENGINE_LOG_STDOUT=true
@@ -88,5 +96,6 @@ EXPOSE 8000
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
     CMD curl -fsS http://127.0.0.1:8000/health/ready || exit 1
-ENTRYPOINT ["tini", "--", "appliance"]
+# As root (compose), the entrypoint becomes the appliance user before anything runs; as the appliance, it just runs.
+ENTRYPOINT ["tini", "--", "appliance-entrypoint"]
 CMD ["up", "--no-monitoring"]

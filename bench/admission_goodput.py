@@ -26,11 +26,12 @@ from appliance.cli.serve import ensure_demo_model  # noqa: E402
 from appliance.loadtest.bench import SLO, Target, execute, summarize_run  # noqa: E402
 from appliance.loadtest.load import LoadSpec  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402
-from bench.gateway_overhead import split_cores, start, stop, wait_ok  # noqa: E402
+from bench.gateway_overhead import ENGINE_KEY, split_cores, start, stop, wait_ok  # noqa: E402
 
 
 async def run_once(url: str, spec: LoadSpec, prompts: SyntheticPrompts, slo: SLO) -> dict:
-    run = await execute(Target(base_url=url, model="demo"), spec, prompts, check=False)
+    # The engine key: the engine requires it when measured directly; the gateways (no API keys) ignore it.
+    run = await execute(Target(base_url=url, model="demo", api_key=ENGINE_KEY), spec, prompts, check=False)
     summary = summarize_run(run, slo)
     errors = summary["errors"]
     return {"offered": summary["requests"] / summary["window_s"], "goodput": summary["goodput"]["requests_per_s"],
@@ -55,6 +56,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-admission-"))
     engine_port, with_port, without_port = args.base_port, args.base_port + 10, args.base_port + 11
     common = {"APPLIANCE_STATE_DIR": str(logs), "APPLIANCE_SLO_TTFT_P95_SECONDS": str(args.slo_ttft_ms / 1000),
+              "APPLIANCE_GATEWAY__ENGINE_KEY": ENGINE_KEY,  # both gateways call the one engine
               "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
               # A request may wait in the gateway only as long as it can still make its SLO.
               "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.slo_ttft_ms / 2000)}

@@ -31,6 +31,8 @@ from appliance.loadtest.bench import Target, execute, summarize_run  # noqa: E40
 from appliance.loadtest.load import LoadSpec  # noqa: E402
 from appliance.loadtest.prompts import SyntheticPrompts, choose_counter  # noqa: E402
 
+ENGINE_KEY = "bench-engine-key"  # the appliance's engines answer no one without it (gateway.engine_key)
+
 
 def start(command: list[str], env: dict[str, str], log: Path, cores: set[int] | None = None,
           cwd: Path | None = None) -> subprocess.Popen:
@@ -75,7 +77,9 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 async def measure(url: str, prompts: SyntheticPrompts, args: argparse.Namespace) -> dict:
     spec = LoadSpec(concurrency=args.concurrency, requests=args.requests, warmup=args.concurrency)
-    run = await execute(Target(base_url=url, model="demo"), spec, prompts, check=False)
+    # The engine key on every path: the engine requires it (direct, and behind vllm-router); the gateway, with no
+    # API keys set, ignores it and sends its own.
+    run = await execute(Target(base_url=url, model="demo", api_key=ENGINE_KEY), spec, prompts, check=False)
     summary = summarize_run(run)
     latency = summary["latency_s"]["ttft"]
     return {"rps": summary["throughput"]["requests_per_s"], "tok_s": summary["throughput"]["output_tokens_per_s"],
@@ -100,6 +104,7 @@ def main() -> None:
     engine_port, gateway_port, router_port = args.base_port, args.base_port + 10, args.base_port + 20
     env = {"APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(gateway_port),
            "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_STATE_DIR": str(logs),
+           "APPLIANCE_GATEWAY__ENGINE_KEY": ENGINE_KEY,
            "APPLIANCE_ENGINE__MAX_MODEL_LEN": "256", "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency)}
     engine_cores, other_cores = split_cores()
     appliance = start([sys.executable, "-m", "appliance.cli", "serve"], env, logs / "appliance.log", engine_cores)

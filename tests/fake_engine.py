@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (sys.path is mended before the imports: see below)
 """A fake vLLM engine: vLLM 0.32's OpenAI-compatible server as a client sees it, without a model or a GPU.
 
 The gateway's own logic (relay, retries, migration, tenant accounting, admission, maintenance), the load tester and
@@ -32,6 +33,8 @@ What it models:
   without ``[DONE]``, a 5xx error event, silence, an ``abort`` finish, a connection dropped unanswered; per request:
   an error status (``fail_status``, ``fail_every``).
 - vLLM's side of a disconnect: a request whose client hangs up is aborted (the handler is cancelled) and counted.
+- vLLM's ``--api-key`` (``api_key``, or ``$VLLM_API_KEY`` as a process): 401 on its guarded prefixes (``/v1`` ...)
+  without the key, every other path open, as vLLM 0.32's AuthenticationMiddleware does.
 - Its own ``/metrics`` as vLLM exports it (what appliance/engine/load.py and maintenance read: requests running
   and waiting, KV-cache usage, prompt and generation token counters, finished requests, ``cache_config_info``'s
   block size and count) plus the process's resident memory; ``/health``, ``/v1/models``, ``/tokenize``.
@@ -49,13 +52,20 @@ runs from its path alone.
 
 from __future__ import annotations
 
+import os
+import sys
+
+# Run by path (a process of its own), Python puts this file's folder, tests/, first on sys.path, where tests/http
+# would shadow the standard library's http: it comes off before the imports below.
+if __name__ == "__main__":
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
 import argparse
 import asyncio
 import json
 import math
-import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +78,7 @@ from aiohttp import web
 SERVED_MODEL = "demo"
 FINGERPRINT = "vllm-0.32.0-5f0c9a1e"  # vLLM's default --fingerprint-mode full: version and a config hash
 DONE = b"data: [DONE]\n\n"
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key protects
 VOCAB = 997
 BOS = 1
 
@@ -290,6 +301,7 @@ class FakeEngine:
     block_size: int = 16
     num_gpu_blocks: int | None = 8192  # None: the cache is not sized yet (vLLM's label then reads "None")
     backlog: int = 128
+    api_key: str | None = None  # vLLM's --api-key: /v1 (and its other guarded prefixes) answer 401 without it
 
     # What it saw, and its own metrics (a test may set the gauges and counters: load from elsewhere).
     received: list[Received] = field(default_factory=list)
@@ -297,6 +309,7 @@ class FakeEngine:
     streamed: int = 0  # streams that ended with [DONE]
     aborted: int = 0  # requests whose client hung up before the answer was complete
     health_checks: int = 0
+    refused: int = 0  # requests answered 401 for a missing or wrong API key
     metrics_reads: int = 0
     running: float = 0
     waiting: float = 0
@@ -322,7 +335,7 @@ class FakeEngine:
         return f"http://{self.host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
@@ -454,6 +467,19 @@ class FakeEngine:
         return self.response_id or f"{'chatcmpl' if chat else 'cmpl'}-{self.port:08x}{self._ids:024x}"
 
     # -- routes -------------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's AuthenticationMiddleware (vllm/entrypoints/serve/middleware/authenticate.py): with an API key,
+        paths under its guarded prefixes need ``Authorization: Bearer <key>``, else 401 ``{"error":
+        "Unauthorized"}``; every other path (/health, /metrics, /tokenize) stays open, as in vLLM."""
+        if self.api_key and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or token != self.api_key:
+                self.refused += 1
+                return self._json({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _health(self, _request: web.Request) -> web.Response:
         self.health_checks += 1
@@ -842,6 +868,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--exit-after", nargs=2, metavar=("SECONDS", "CODE"))
     parser.add_argument("--chatter", type=int, metavar="LINES")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="vLLM's --api-key (default: $VLLM_API_KEY, as vLLM reads it)")
     args, _tags = parser.parse_known_args(argv)  # anything else only tags the command line (tests look for it)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -856,7 +884,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine = FakeEngine(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         model=CountingModel(prefix=" w") if args.model == "counting" else GreedyModel(),
                         tokens=args.tokens, first_token_delay=args.prefill_ms / 1000, token_delay=args.itl_ms / 1000,
-                        max_num_seqs=args.max_num_seqs, backlog=args.backlog)
+                        max_num_seqs=args.max_num_seqs, backlog=args.backlog, api_key=args.api_key)
     if args.exit_after:
         engine.start()
         time.sleep(float(args.exit_after[0]))

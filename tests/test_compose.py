@@ -158,7 +158,7 @@ def test_the_image_installs_offline_from_the_wheelhouse_and_runs_under_an_init()
     installs = re.findall(r"pip install[^\n]*", dockerfile)
     assert installs and all("--no-index" in line for line in installs), installs
     assert "ARG BASE_IMAGE=" in dockerfile
-    assert 'ENTRYPOINT ["tini", "--", "appliance"]' in dockerfile
+    assert 'ENTRYPOINT ["tini", "--", "appliance-entrypoint"]' in dockerfile
     assert "/wheelhouse/" in (ROOT / ".gitignore").read_text().split()
     ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
     assert "wheelhouse" not in ignored  # the build needs it in its context
@@ -222,7 +222,9 @@ def test_the_default_env_file_and_config_exist_and_set_nothing(services) -> None
     defaults = Settings().model_dump()
     for name in ("appliance", "appliance-cpu"):
         env = services[name]["environment"]
-        assert not [key for key in env if key.startswith(("APPLIANCE_ENGINE__", "APPLIANCE_SERVED"))]
+        # vLLM's settings are the operator's; the engines' user is the image's (like APPLIANCE_ENGINE_HOST).
+        chosen = [key for key in env if key.startswith(("APPLIANCE_ENGINE__", "APPLIANCE_SERVED"))]
+        assert chosen == ["APPLIANCE_ENGINE__USER"], chosen
     assert (ROOT / "deploy" / "compose" / "appliance.env").is_file()
     assert load_settings(ROOT / "deploy" / "compose" / "appliance.yaml").model_dump() == defaults
 
@@ -247,14 +249,20 @@ def test_the_config_folder_is_mounted_read_only_and_read_at_start(services, tmp_
 SERVICES = ("appliance", "appliance-cpu", "monitoring-config", "prometheus", "alertmanager", "grafana")
 
 
+#: Added back, each where a service provably needs it: CHOWN for monitoring-config (it hands the rendered files to
+#: nobody, 0600); SETUID, SETGID and KILL for the appliance (it starts and stops its engines as their own user).
+CAPABILITIES = {"monitoring-config": ["CHOWN"], "appliance": ["SETUID", "SETGID", "KILL"],
+                "appliance-cpu": ["SETUID", "SETGID", "KILL"]}
+
+
 def test_every_service_drops_capabilities_gains_no_privileges_and_has_a_read_only_root(services) -> None:
-    """Issue 21. Added back: CHOWN for monitoring-config alone (it hands the rendered files to nobody, 0600)."""
+    """Issue 21."""
     for name in SERVICES:
         service = services[name]
         assert service["cap_drop"] == ["ALL"], name
         assert service["security_opt"] == ["no-new-privileges:true"], name
         assert service["read_only"] is True, name
-        assert service.get("cap_add", []) == (["CHOWN"] if name == "monitoring-config" else []), name
+        assert service.get("cap_add", []) == CAPABILITIES.get(name, []), name
     for name in ("appliance", "appliance-cpu"):  # torch's CPU compiler loads what it builds in /tmp: exec
         assert services[name]["tmpfs"] == ["/tmp:rw,exec,nosuid,nodev,mode=1777"]
 
@@ -302,3 +310,20 @@ def test_the_engines_are_reachable_only_on_an_internal_network_prometheus_shares
         assert env["APPLIANCE_ENGINE_HOST"] in networks["engines"]["aliases"]
         assert env["APPLIANCE_ENGINE_HOST"] not in networks["default"]["aliases"]
         assert env["APPLIANCE_ENGINE_ADVERTISE_HOST"] == env["APPLIANCE_ENGINE_HOST"]  # what Prometheus resolves
+
+
+def test_the_engines_run_as_their_own_user_in_none_of_the_secrets_groups(services) -> None:
+    """vLLM, its plugins and the model's code hold no secret: the appliance container starts as root only for the
+    entrypoint, which becomes the appliance user (10001) keeping just what runs the engines as appliance-engine
+    (10002, a group of its own); the secrets are root:10001 0440, so the engines cannot open them."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "--uid 10002 --user-group" in dockerfile and "appliance-engine" in dockerfile
+    assert "COPY deploy/image/entrypoint /usr/local/bin/appliance-entrypoint" in dockerfile
+    entrypoint = (ROOT / "deploy" / "image" / "entrypoint").read_text()
+    assert "--reuid=appliance --regid=appliance" in entrypoint
+    assert "caps=-all,+setuid,+setgid,+kill" in entrypoint and '--ambient-caps="$caps"' in entrypoint
+    for name in ("appliance", "appliance-cpu"):
+        service = services[name]
+        assert service["user"] == "root", name
+        assert service["environment"]["APPLIANCE_ENGINE__USER"] == "appliance-engine", name
+        assert ("appliance-engine-home", "/var/lib/appliance-engine", False) in _mounts(service), name

@@ -114,3 +114,26 @@ def test_redaction_never_leaks_a_secret_whatever_the_flag_shape():
               [f"--endpoint=https://user:{secret}@h"], ["--x", f"password: {secret}"]]
     for argv in shapes:
         assert secret not in " ".join(redact_argv(argv)), argv
+
+
+def test_the_lease_token_and_the_engine_key_are_secrets_too(tmp_path, monkeypatch, capsys):
+    """The engine key is redacted as a setting and where the engines get it (VLLM_API_KEY in `--engines`), and
+    never on their command line, which any local user reads in /proc/<pid>/cmdline."""
+    from appliance.cli import main
+
+    data = config_dump(Settings(gateway={"lease_token": "lease-s3cr3t", "engine_key": "engine-s3cr3t"}))
+    assert data["gateway"]["lease_token"] == REDACTED and data["gateway"]["engine_key"] == REDACTED
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    (tmp_path / "engine-key").write_text("engine-s3cr3t\n")
+    for key in [k for k in __import__("os").environ if k.startswith("APPLIANCE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("APPLIANCE_MODEL", str(tmp_path))
+    monkeypatch.setenv("APPLIANCE_DEVICE", "cpu")
+    monkeypatch.setenv("APPLIANCE_GATEWAY__ENGINE_KEY_FILE", str(tmp_path / "engine-key"))
+    assert main(["config", "--engines"]) == 0
+    out = capsys.readouterr().out
+    assert "engine-s3cr3t" not in out and f"VLLM_API_KEY={REDACTED}" in out
+    assert "--middleware appliance.engine.guard.EngineKeyGuard" in out
+    assert main(["config", "--engines", "--show-secrets"]) == 0
+    shown = capsys.readouterr().out
+    assert "VLLM_API_KEY=engine-s3cr3t" in shown and "--api-key" not in shown

@@ -13,6 +13,9 @@ from appliance.engine.placement import Placement
 from appliance.engine.settings import EngineSettings
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Refuses every request but /health and /metrics without the engine key (vLLM's own check covers /v1 and a few
+# other prefixes only): appliance/engine/guard.py. A module path, no secret: the key comes from VLLM_API_KEY.
+ENGINE_GUARD = "appliance.engine.guard.EngineKeyGuard"
 
 
 def engine_argv(
@@ -33,6 +36,7 @@ def engine_argv(
         "--disable-uvicorn-access-log",
         # usage.prompt_tokens_details.cached_tokens: per-tenant cached prompt tokens (gateway/tenants/accounting)
         "--enable-prompt-tokens-details",
+        "--middleware", ENGINE_GUARD,
     ]
     optional = {
         "--max-num-batched-tokens": engine.max_num_batched_tokens,

@@ -11,6 +11,10 @@ whole group goes away when either side dies:
 - we are killed with SIGKILL: CMD gets SIGTERM from its own PR_SET_PDEATHSIG, and the supervisor, which knows the
   group id, SIGKILLs the group when it sees us exit.
 
+It also gives up every Linux capability before CMD starts (appliance/engine/capabilities.py): an engine run as a
+user of its own inherits the ambient ones its appliance holds to start it, and with CAP_SETUID it could become the
+appliance's user again. A non-root launcher that cannot drop them refuses to start CMD.
+
 Linux-only (prctl); elsewhere it degrades to a plain wrapper.
 """
 
@@ -23,6 +27,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from appliance.engine.capabilities import drop_all
 
 PR_SET_PDEATHSIG = 1
 GRACE_ENV = "APPLIANCE_ENGINE_GRACE_SECONDS"
@@ -42,6 +48,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] != "--" or len(argv) < 2:
         print("usage: python -m appliance.engine.launch -- CMD [ARGS...]", file=sys.stderr)
         return 2
+    if not drop_all():  # first: a change of credentials may clear the parent-death signal
+        print("appliance.engine.launch: cannot give up this process's capabilities; not starting the engine",
+              file=sys.stderr)
+        return 1
     set_parent_death_signal()
     expected_parent = os.environ.get(PARENT_ENV)
     if expected_parent and os.getppid() != int(expected_parent):

@@ -22,6 +22,7 @@ import aiohttp
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.environment import engine_base_env
 from appliance.engine.health import HEALTH_PROBE_TIMEOUT_SECONDS, Health, HealthFailures, probe_health
+from appliance.engine.identity import EngineUser
 from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.logs import EngineLogPump
 from appliance.engine.placement import Placement
@@ -50,6 +51,7 @@ class ReplicaSpec:
     log_backups: int = 3  # rotated files kept
     log_stdout: bool = False  # engine lines also on the appliance's stdout, prefixed with the replica's name
     health_timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS  # one /health probe's answer time
+    user: EngineUser | None = None  # the engine's own user (engine.user); None: the appliance's
 
     @property
     def name(self) -> str:
@@ -191,9 +193,11 @@ class SupervisedReplica:
         if self._staged is not None:
             self.spec, self._staged = self._staged, None
             log.info("%s: starting on the reloaded configuration", self.name)
-        # An allow-listed environment, not the appliance's whole one: its secrets never reach an engine.
-        env = {**engine_base_env(os.environ), **self.spec.env, PARENT_ENV: str(os.getpid()),
-               GRACE_ENV: str(self.spec.stop_timeout_seconds)}
+        # An allow-listed environment, not the appliance's whole one: its secrets never reach an engine. Under a
+        # user of its own (engine.user) it also runs with that user's uid, group and home, and no other group.
+        user = self.spec.user
+        env = {**engine_base_env(os.environ), **(user.env() if user else {}), **self.spec.env,
+               PARENT_ENV: str(os.getpid()), GRACE_ENV: str(self.spec.stop_timeout_seconds)}
         # Opens (creates) the log first: a log that cannot be written is a spawn failure, before any process.
         pump = EngineLogPump(self.name, self.spec.log_path, max_bytes=self.spec.log_max_bytes,
                              backups=self.spec.log_backups, stdout=sys.stdout if self.spec.log_stdout else None)
@@ -202,7 +206,7 @@ class SupervisedReplica:
             # A new session makes the launcher a process-group leader, so the group can be killed as a whole.
             self._proc = subprocess.Popen(
                 self.spec.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                stdin=subprocess.DEVNULL, start_new_session=True, **(user.popen_options() if user else {}),
             )
         except BaseException:
             pump.close()
@@ -268,7 +272,8 @@ class SupervisedReplica:
     async def _answers_itself(self) -> bool:
         """The 200 came from our own engine: its process tree listens on the port (see appliance.engine.ports)."""
         assert self._proc is not None
-        if await asyncio.to_thread(tree_listens_on, self._proc.pid, self.spec.port):
+        owner = self.spec.user.uid if self.spec.user else None
+        if await asyncio.to_thread(tree_listens_on, self._proc.pid, self.spec.port, owner_uid=owner):
             return True
         message = f"port {self.spec.port} answers /health, but not from this replica's processes"
         if self.status.last_error != message:

@@ -10,8 +10,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import NoDecode
 
+from appliance.engine.identity import EngineUser
 from appliance.model.shape import KvCacheDtype
-from appliance.setting_types import CommaList
+from appliance.setting_types import CommaList, blank_is_unset
 
 
 class EngineSettings(BaseModel):
@@ -40,6 +41,11 @@ class EngineSettings(BaseModel):
     log_stdout: bool = Field(
         False, description="Engine output also on the appliance's stdout, each line prefixed [replica-N] "
         "(compose and the image: true, so that `docker logs` shows it)."
+    )
+    user: str | None = Field(
+        None, description="Run the engines as this user (a name or a uid; its own group, no other): vLLM, its plugins "
+        "and model code then cannot read the appliance's secret files or its memory. Needs an appliance run as "
+        "root or with CAP_SETUID, CAP_SETGID and CAP_KILL (the image's entrypoint); unset: the appliance's own user."
     )
     restart_backoff_initial_seconds: float = Field(1.0, gt=0, description="First wait before restarting a crash.")
     restart_backoff_max_seconds: float = Field(60.0, gt=0, description="Cap of the doubling restart backoff.")
@@ -83,6 +89,25 @@ class EngineSettings(BaseModel):
         default_factory=list, description="More vLLM flags, passed verbatim. In the environment one string split "
         "like a shell command line (APPLIANCE_ENGINE__EXTRA_ARGS='--enforce-eager --seed 1'), or a JSON list."
     )
+
+    @field_validator("user", mode="before")
+    @classmethod
+    def _blank_user_is_unset(cls, value: Any) -> Any:
+        return blank_is_unset(value)
+
+    @field_validator("user")
+    @classmethod
+    def _an_unprivileged_user(cls, value: str | None) -> str | None:
+        """A user that exists here, and not root: root would hold every secret again."""
+        if value is None:
+            return value
+        try:
+            user = EngineUser.lookup(value)
+        except LookupError as exc:
+            raise ValueError(str(exc)) from None
+        if user.uid == 0:
+            raise ValueError(f"engine.user {value!r} is root: name an unprivileged user of the engines' own")
+        return value
 
     @field_validator("extra_args", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ import aiohttp
 
 from appliance.engine.command import engine_argv, engine_env, engine_memory_argv, launcher_command
 from appliance.engine.contract import ReplicaState
+from appliance.engine.identity import EngineUser
 from appliance.engine.placement import Placement, detect_device, plan_placements
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.engine.settings import EngineSettings
@@ -44,6 +45,7 @@ class FleetPlan:
     def specs(self, engine: EngineSettings) -> list[ReplicaSpec]:
         """One spec per replica: its port, its device slice, its command line and its log file."""
         specs = []
+        user = engine_user(engine)
         for index, placement in enumerate(self.placements):
             port = engine.base_port + index
             argv = engine_argv(self.model, self.served_model_name, port, engine, host=engine.host)
@@ -63,9 +65,18 @@ class FleetPlan:
                     log_backups=engine.log_backups,
                     log_stdout=engine.log_stdout,
                     health_timeout_seconds=engine.health_timeout_seconds,
+                    user=user,
                 )
             )
         return specs
+
+
+def engine_user(engine: EngineSettings) -> EngineUser | None:
+    """The user the engines run as: ``engine.user``, unless that is the appliance's own (nothing to switch)."""
+    if engine.user is None:
+        return None
+    user = EngineUser.lookup(engine.user)
+    return None if user.is_current else user
 
 
 def connect_host(bind_host: str) -> str:

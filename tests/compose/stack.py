@@ -65,7 +65,8 @@ def build_images(podman: Podman, cache: Path, timings: Timings) -> None:
     timings.record("wheelhouse", started)
     started = time.monotonic()
     key = inputs_hash([REPO / p for p in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "appliance",
-                                          "alerts", "dashboards", "wheelhouse/INDEX")], extra=BASE_IMAGE)
+                                          "alerts", "dashboards", "deploy/image", "wheelhouse/INDEX")],
+                      extra=BASE_IMAGE)
     for tag, target, args in (("appliance:cpu", "appliance", {"ENGINE_BUILD": "cpu"}),
                               ("appliance:config", "config", {})):
         podman.build(tag, REPO, key, target=target, args={"BASE_IMAGE": BASE_IMAGE, **args})

@@ -156,24 +156,42 @@ def test_the_runbooks_compose_commands_work(compose_stack: ComposeStack) -> None
     assert "replica-0" in status and "ready" in status, status
 
 
+def _status(process) -> dict[str, str]:
+    return {key: value.strip() for key, _, value in (line.partition(":\t") for line in
+                                                     Path(f"/proc/{process.pid}/status").read_text().splitlines())}
+
+
 def test_every_service_runs_without_capabilities_read_only_and_without_privilege_gain(
         compose_stack: ComposeStack) -> None:
-    """Issue 21, checked on the running processes (the kernel's view, not compose's): PID 1 of each service and
-    the vLLM server hold no effective capability and have no_new_privs set; the root filesystems are read-only."""
-    processes = {service: compose_stack.init_process(service) for service in SERVICES}
-    processes["vllm"] = compose_stack.vllm_server()
-    for name, process in processes.items():
-        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
-                      if ":\t" in line)
-        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, (name, status["CapEff"])
-        assert status["NoNewPrivs"].strip() == "1", name
+    """Issue 21, checked on the running processes (the kernel's view, not compose's): no_new_privs everywhere;
+    no capability in the monitoring services; in the appliance's container only CAP_SETUID, CAP_SETGID and CAP_KILL
+    (PID 1, and the appliance, uid 10001, which starts and stops its engines as their own user) and none at all in
+    the engines (uid 10002); the root filesystems are read-only."""
+    engine_caps = 1 << 5 | 1 << 6 | 1 << 7  # CAP_KILL, CAP_SETGID, CAP_SETUID
+    for service in SERVICES:
+        status = _status(compose_stack.init_process(service))
+        allowed = engine_caps if service == "appliance-cpu" else 0
+        assert int(status["CapEff"], 16) == allowed and int(status["CapBnd"], 16) == allowed, (service, status)
+        assert status["NoNewPrivs"] == "1", service
+    gateway = next(p for p in compose_stack.processes() if p.uids().real == 10001)  # tini's child: the appliance
+    status = _status(gateway)
+    assert status["NoNewPrivs"] == "1"
+    assert status["Uid"].split()[0] == "10001" and "10001" in status["Groups"].split(), status["Groups"]
+    assert int(status["CapEff"], 16) == engine_caps and int(status["CapAmb"], 16) == 0  # cleared for its children
+    vllm = compose_stack.vllm_server()
+    for engine in (vllm, *vllm.children(recursive=True), vllm.parent()):
+        status = _status(engine)
+        assert status["Uid"].split() == ["10002"] * 4 and "10001" not in status["Groups"].split(), engine.cmdline()
+        assert all(int(status[c], 16) == 0 for c in ("CapEff", "CapPrm", "CapInh", "CapAmb")), engine.cmdline()
     for service in SERVICES:
         inspect = json.loads(compose_stack.podman("inspect", compose_stack.container(service)).stdout)[0]
         assert inspect["HostConfig"]["ReadonlyRootfs"] is True, service
         written = compose_stack.podman("exec", compose_stack.container(service), "touch", "/written", check=False)
         assert written.returncode != 0 and "Read-only file system" in written.stderr, (service, written.stderr)
     # The demo model, logs and torch's compile cache still have somewhere to go: the stack served above.
-    exec_in(compose_stack, "appliance-cpu", "touch", "/tmp/x", "/var/lib/appliance/x")
+    written = compose_stack.podman("exec", "--user", "10001", compose_stack.container("appliance-cpu"), "touch",
+                                   "/tmp/x", "/var/lib/appliance/x", check=False)
+    assert written.returncode == 0, written.stderr
 
 
 def test_secrets_arrive_as_private_files_and_each_service_holds_only_its_own(compose_stack: ComposeStack) -> None:
@@ -194,6 +212,11 @@ def test_secrets_arrive_as_private_files_and_each_service_holds_only_its_own(com
     modes = exec_in(stack, "appliance-cpu", "stat", "-c", "%a %U %n", "/run/secrets/admin_token",
                     "/run/secrets/api_keys").splitlines()
     assert [line.split()[0] for line in modes] == ["440", "440"], modes
+    # What the engines' user (10002, its own group only) can open of them, tried as it: nothing.
+    for secret in ("admin_token", "alerts_token", "metrics_token", "api_keys"):
+        tried = stack.podman("exec", "--user", "10002:10002", stack.container("appliance-cpu"), "cat",
+                             f"/run/secrets/{secret}", check=False)
+        assert tried.returncode != 0 and "Permission denied" in tried.stderr, (secret, tried.stdout)
     for service, path, token in (("prometheus", "/etc/prometheus/generated/prometheus.yml", stack.metrics_token),
                                  ("alertmanager", "/etc/alertmanager/generated/alertmanager.yml", stack.alerts_token)):
         assert exec_in(stack, service, "stat", "-c", "%a %u", path).split() == ["600", "65534"], service
@@ -228,6 +251,11 @@ def test_only_prometheus_reaches_the_engines(compose_stack: ComposeStack) -> Non
     probe = "wget -q -T 3 -t 1 -O /dev/null http://{}:{}/health && echo reached || echo refused"
     reached = exec_in(compose_stack, "prometheus", "sh", "-c", probe.format("appliance-engines", port)).strip()
     assert reached == "reached"
+    # Prometheus reaches /health and /metrics, nothing else: every other path needs the gateway's engine key.
+    for path in ("v1/models", "invocations", "tokenize"):
+        got = exec_in(compose_stack, "prometheus", "sh", "-c",
+                      probe.replace("/health", f"/{path}").format("appliance-engines", port)).strip()
+        assert got == "refused", path
     for target in ("appliance-engines", address, "appliance"):
         got = exec_in(compose_stack, "alertmanager", "sh", "-c", probe.format(target, port)).strip()
         assert got == "refused", target

@@ -19,6 +19,7 @@ from appliance.context import context_of
 from appliance.engine.contract import ReplicaState
 from appliance.engine.discovery import DnsFleet, resolve_with_nameserver, resolve_with_system
 from appliance.engine.settings import DiscoverySettings
+from appliance.gateway.upstream.labels import client_label
 from appliance.serve import build_fleet, node_pending
 from appliance.settings import ConfigError, Settings, load_settings
 from tests.engine.dns_server import TestDNSServer
@@ -175,7 +176,7 @@ def test_gateway_routes_to_discovered_engines_and_lets_a_vanished_one_finish(dns
         for _ in range(5):
             response = client.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
             assert response.status_code == 200
-            assert response.headers["x-appliance-replica"] == f"127.0.0.3:{port}"
+            assert response.headers["x-appliance-replica"] == client_label(f"127.0.0.3:{port}")  # not the address
         thread.join(10)
         assert slow["r"].status_code == 200  # the request already on the vanished node finished
         assert router.in_flight() == 0

@@ -21,8 +21,13 @@ from appliance.engine.replica import ReplicaSpec, SupervisedReplica
 from appliance.secret_files import SECRET_PAIRS
 from tests.engine.support import FAKE_ENGINE, free_port, run, wait_for
 
+# Every secret the appliance reads, as a value and as a file's path (admin, alerts, metrics and lease tokens, API
+# keys, the engine key as the appliance's own setting, tenants' keys, Grafana's token), in every spelling.
 SECRET_ENV = {pair.env: f"s3cret-{pair.value}" for pair in SECRET_PAIRS} | {
     f"{pair.env}_FILE": f"/run/secrets/{pair.value}" for pair in SECRET_PAIRS} | {
+    f"APPLIANCE_GATEWAY__{pair.value.upper()}": f"s3cret-gw-{pair.value}" for pair in SECRET_PAIRS} | {
+    "APPLIANCE_TENANTS": '[{"name": "a", "api_keys": ["s3cret-tenant"]}]',
+    "APPLIANCE_MAINTENANCE__GRAFANA_TOKEN_FILE": "/run/secrets/grafana",
     "APPLIANCE_MAINTENANCE__GRAFANA_TOKEN": "s3cret-grafana", "APPLIANCE_PORT": "8000",
     "APPLIANCE_SOMETHING_NEW": "s3cret-later", "AWS_SECRET_ACCESS_KEY": "s3cret-aws", "DATABASE_URL": "s3cret-db"}
 NEEDED_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
@@ -54,7 +59,8 @@ def test_a_started_engine_holds_no_appliance_secret_in_its_environment(tmp_path:
     port = free_port()
     command = [sys.executable, "-m", "appliance.engine.launch", "--", sys.executable, FAKE_ENGINE, str(port)]
     spec = ReplicaSpec(index=0, port=port, command=command,
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "0", ENGINE_STATS_DIR_ENV: str(tmp_path)},
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0", ENGINE_STATS_DIR_ENV: str(tmp_path),
+                            "VLLM_API_KEY": "engine-k3y"},
                        placement=Placement("cpu", cores=(0,)), log_path=tmp_path / "engine-0.log",
                        start_timeout_seconds=60, stop_timeout_seconds=1.0)
 
@@ -68,8 +74,9 @@ def test_a_started_engine_holds_no_appliance_secret_in_its_environment(tmp_path:
             for process in (launcher, engine):
                 environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
                 env = dict(item.decode().split("=", 1) for item in environ if item)
-                leaked = [k for k, v in env.items() if "s3cret" in v or k in SECRET_ENV]
+                leaked = [k for k, v in env.items() if "s3cret" in v or "/run/secrets" in v or k in SECRET_ENV]
                 assert not leaked, (process.cmdline(), leaked)
+                assert env["VLLM_API_KEY"] == "engine-k3y"  # the one credential an engine holds: its own key
                 assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env[ENGINE_STATS_DIR_ENV] == str(tmp_path)
                 assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] and env[GRACE_ENV] == "1.0"
         finally:

@@ -60,7 +60,8 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
     for attempt in range(BENCH_ATTEMPTS):
         out = tmp_path / f"attempt-{attempt}"
         before = {n: engine_histogram(engine, n) for n in names}
-        result = appliance_cli("bench", "--url", engine, "--model", "demo", "--concurrency", "4", "--requests",
+        result = appliance_cli("bench", "--url", engine, "--api-key", appliance.engine_key(), "--model", "demo",
+                               "--concurrency", "4", "--requests",
                                "40", "--warmup", "0", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
                                str(demo_model_int8), "--no-progress", "--out", str(out),
                                # The engines busy both cores of a CI machine: tolerate the client being scheduled
@@ -88,7 +89,8 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
 
 def test_capacity_search_finds_a_concurrency_on_the_demo_model(appliance, demo_model_int8, tmp_path):
     engine = f"http://127.0.0.1:{appliance.engine_port(1)}"
-    result = appliance_cli("capacity", "--url", engine, "--model", "demo", "--slo-ttft-p95-ms", "2000",
+    result = appliance_cli("capacity", "--url", engine, "--api-key", appliance.engine_key(), "--model", "demo",
+                           "--slo-ttft-p95-ms", "2000",
                            "--max-concurrency", "16", "--requests-per-probe", "30", "--max-requests-per-probe", "60",
                            "--settle-s", "0.5", "--prompt-tokens", "32", "--max-tokens", "16", "--tokenizer",
                            str(demo_model_int8), "--no-progress", "--out", str(tmp_path),

@@ -310,13 +310,19 @@ def test_the_secret_check_can_fail(rendered):
 
 
 #: What each role is given (file name under SECRETS_DIR -> setting's variable). Alertmanager posts to the gateway
-#: Service only, so node pods do not hold the alerts token.
+#: Service only, so node pods do not hold the alerts token. A node's engines run as the node's user and can read
+#: whatever it holds: nodes get the engine key (their engines require it), the lease token (a restart lease,
+#: nothing else) and the read-only metrics token, never the admin token or the clients' API keys.
 ROLE_FILES = {
     "gateway": {"admin-token": "APPLIANCE_ADMIN_TOKEN_FILE", "api-keys": "APPLIANCE_API_KEYS_FILE",
-                "metrics-token": "APPLIANCE_METRICS_TOKEN_FILE", "alerts-token": "APPLIANCE_ALERTS_TOKEN_FILE"},
-    "node": {"admin-token": "APPLIANCE_ADMIN_TOKEN_FILE", "api-keys": "APPLIANCE_API_KEYS_FILE",
+                "metrics-token": "APPLIANCE_METRICS_TOKEN_FILE", "alerts-token": "APPLIANCE_ALERTS_TOKEN_FILE",
+                "lease-token": "APPLIANCE_GATEWAY__LEASE_TOKEN_FILE",
+                "engine-key": "APPLIANCE_GATEWAY__ENGINE_KEY_FILE"},
+    "node": {"engine-key": "APPLIANCE_GATEWAY__ENGINE_KEY_FILE", "lease-token": "APPLIANCE_GATEWAY__LEASE_TOKEN_FILE",
              "metrics-token": "APPLIANCE_METRICS_TOKEN_FILE"},
 }
+#: What a compromised engine on a node pod must not find there: the fleet's admin API and every tenant's key.
+NEVER_ON_NODES = {"admin-token", "api-keys", "alerts-token"}
 
 
 def _secret_files(pod: dict[str, Any]) -> dict[str, str]:
@@ -343,8 +349,36 @@ def test_each_role_gets_its_own_credentials_as_files(rendered, overlay):
         assert "APPLIANCE_ALERTS_TOKEN_FILE" in env or role != "gateway"
         for file, secret in files.items():
             assert secrets.setdefault(file, secret) == secret, "one Secret per credential, the same in both roles"
-    # One Secret per audience: what Prometheus and Alertmanager may read holds nothing else.
-    assert len({secrets["metrics-token"], secrets["alerts-token"], secrets["admin-token"]}) == 3
+    # One Secret per audience: what Prometheus, Alertmanager and node pods may read holds nothing else.
+    assert len({secrets[file] for file in ("metrics-token", "alerts-token", "admin-token", "lease-token",
+                                           "engine-key")}) == 5
+
+
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu-demo", "base"])
+def test_node_pods_hold_neither_the_admin_token_nor_the_api_keys(rendered, overlay):
+    """A node's engines (vLLM, its plugins, model code) run as the node's user: anything the pod mounts or is
+    given in its environment, they can read. So the pod gets no admin token and no client key, from any source."""
+    node = next(w for w in workloads(rendered[overlay]) if component(w) == "node")
+    pod = pod_of(node)
+    assert not NEVER_ON_NODES & set(_secret_files(pod))
+    sources = [source.get("secret", {}).get("name") for volume in pod["volumes"]
+               for source in volume.get("projected", {}).get("sources", [])]
+    sources += [volume.get("secret", {}).get("secretName") for volume in pod["volumes"]]
+    assert "appliance-secrets" not in sources  # the Secret holding the admin token and the API keys
+    for container in pod["containers"] + pod.get("initContainers", []):
+        names = {env["name"] for env in container.get("env", [])}
+        assert not {name for name in names if re.search(r"ADMIN_TOKEN|API_KEYS|ALERTS_TOKEN", name)}, names
+        refs = yaml.safe_dump(container.get("env", [])) + yaml.safe_dump(container.get("envFrom", []))
+        assert "appliance-secrets" not in refs
+
+
+def test_the_node_check_can_fail(rendered):
+    objects = copy.deepcopy(rendered["overlays/gpu"])
+    node = next(w for w in workloads(objects) if component(w) == "node")
+    pod_of(node)["volumes"][-1]["projected"]["sources"].append(
+        {"secret": {"name": "appliance-secrets", "items": [{"key": "admin-token", "path": "admin-token"}]}})
+    with pytest.raises(AssertionError):
+        test_node_pods_hold_neither_the_admin_token_nor_the_api_keys({"overlays/gpu": objects}, "overlays/gpu")
 
 
 def _bearer_secret(endpoint: dict[str, Any]) -> dict[str, str] | None:
@@ -521,7 +555,8 @@ def test_every_secret_the_manifests_need_is_documented(rendered):
     doc = (DEPLOY.parents[1] / "docs" / "kubernetes.md").read_text()
     refs = set(_secret_refs(rendered["overlays/gpu"]))
     assert {("appliance-secrets", "admin-token"), ("appliance-metrics-token", "metrics-token"),
-            ("appliance-alerts-token", "alerts-token")} <= refs
+            ("appliance-alerts-token", "alerts-token"), ("appliance-lease-token", "lease-token"),
+            ("appliance-engine-key", "engine-key")} <= refs
     missing = [f"{name}/{key}" for name, key in sorted(refs)
                if f"secret generic {name}" not in doc or f"{key}=" not in doc]
     assert not missing, f"docs/kubernetes.md does not say how to create {missing}"
@@ -536,7 +571,7 @@ def test_the_pods_settings_load_their_secrets_from_the_mounted_files(rendered, r
     workload = next(w for w in workloads(rendered["overlays/gpu"]) if component(w) == role)
     pod = pod_of(workload)
     values = {"admin-token": "admin-secret", "api-keys": "key-one\nkey-two\n", "metrics-token": "metrics-secret",
-              "alerts-token": "alerts-secret"}
+              "alerts-token": "alerts-secret", "lease-token": "lease-secret", "engine-key": "engine-secret"}
     for file in _secret_files(pod):
         (tmp_path / file).write_text(values[file])
     for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
@@ -547,6 +582,10 @@ def test_the_pods_settings_load_their_secrets_from_the_mounted_files(rendered, r
     monkeypatch.setenv("APPLIANCE_STATE_DIR", str(tmp_path / "state"))
     settings = load_settings(DEPLOY / "base" / "appliance.yaml")
     assert settings.role == role
-    assert settings.gateway.admin_token == "admin-secret" and settings.gateway.api_keys == ["key-one", "key-two"]
+    gateway = role == "gateway"
+    assert settings.gateway.admin_token == ("admin-secret" if gateway else None)
+    assert settings.gateway.api_keys == (["key-one", "key-two"] if gateway else [])
     assert settings.gateway.metrics_token == "metrics-secret"
-    assert settings.gateway.alerts_token == ("alerts-secret" if role == "gateway" else None)
+    assert settings.gateway.alerts_token == ("alerts-secret" if gateway else None)
+    # Both roles: the key the engines require (gateways send it) and the restart lease's token.
+    assert settings.gateway.engine_key == "engine-secret" and settings.gateway.lease_token == "lease-secret"
