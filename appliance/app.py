@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -29,7 +29,9 @@ from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
 from appliance.gateway.intake.limits import BodyBudget, RequestIntake
+from appliance.gateway.tenants.directory import TenantDirectory, present
 from appliance.http.auth import api_docs_urls
+from appliance.http.credentials import API_KEYS, Credentials, Keyring
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
@@ -92,15 +94,20 @@ def create_app(
 
     app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan,
                   **api_docs_urls(settings.all_api_keys))
-    live = LiveState(settings)
+    keyring = Keyring(settings.credentials)
+    live = LiveState(settings, keyring=keyring)
 
-    def apply_tenants(new: Settings) -> None:
-        """``appliance reload`` of tenants and keys: the gateway's directory, quotas and accounting, and the
-        settings the key check reads (``credentials``), at once."""
-        gateway.update_tenants(new.tenants, new.gateway.api_keys)
+    def apply_hot(new: Settings) -> None:
+        """``appliance reload`` of tenants, keys and tokens, at once: the gateway's directory, quotas and
+        accounting, and the keyring the credential checks read. A replaced secret stays valid for
+        ``gateway.secret_overlap_seconds``; a removed tenant's keys do not."""
+        overlap = new.gateway.secret_overlap_seconds
+        keep = rotated_not_revoked(keyring.current(), gateway.tenants, new)
+        gateway.update_tenants(new.tenants, new.gateway.api_keys, overlap_seconds=overlap)
+        keyring.rotate(new.credentials, overlap, keep)
         live.settings = live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS})
 
-    maintenance.reloader.hot = apply_tenants
+    maintenance.reloader.hot = apply_hot
     body_budget = BodyBudget(settings.intake.body_budget_bytes)
     app.state.context = AppContext(
         live=live, gateway=gateway, fleet=fleet, replicas=replicas, registry=registry, maintenance=maintenance,
@@ -108,13 +115,32 @@ def create_app(
         started_at=time.time())
     install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
-    app.add_middleware(RequestIntake, credentials=lambda: live.settings.credentials,
+    app.add_middleware(RequestIntake, credentials=keyring.current,
                        max_bytes=settings.gateway.max_request_bytes,
                        body_timeout=settings.intake.body_timeout_seconds, budget=body_budget,
                        on_reject=gateway.metrics.count_unproxied)
-    for route in (*gateway_routes.ROUTERS, maintenance_routes.router, status.router):
+    for route in (*data_routes(settings.role), maintenance_routes.router, maintenance_routes.lease_router,
+                  status.router):
         app.include_router(route)
     return app
+
+
+def data_routes(role: str) -> tuple[APIRouter, ...]:
+    """The gateway's routes; a node pod's own gateway serves no /v1: clients reach its engines through the gateway
+    pods, past their keys and quotas, and a node holds no API key to check them with (docs/security.md)."""
+    if role == "node":
+        return tuple(route for route in gateway_routes.ROUTERS if route is not gateway_routes.openai.router)
+    return gateway_routes.ROUTERS
+
+
+def rotated_not_revoked(before: Credentials, directory: TenantDirectory, new: Settings) -> Callable[[str, str], bool]:
+    """Which replaced secrets a reload to ``new`` keeps for the overlap window: every token; an API key only while
+    its tenant (as ``directory`` knows it before the reload) is still configured, since a removed tenant's keys are
+    revoked, not rotated."""
+    owner = {key: tenant.name for key in {*before.current(API_KEYS), *(r.value for r in before.retired)}
+             if (tenant := directory.identify(key)) is not None}
+    still = present(new.tenants, new.gateway.api_keys)
+    return lambda role, value: role != API_KEYS or owner.get(value) in still
 
 
 def maintenance_api_error(exc: Exception) -> APIError:

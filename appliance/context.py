@@ -320,12 +320,27 @@ class BodyBudgetView(Protocol):
     def in_flight(self) -> int: ...
 
 
+class KeyringView(Protocol):
+    """The live credentials with the secrets a reload replaced, inside their overlap window
+    (``appliance.http.credentials.Keyring``)."""
+
+    def current(self) -> Any:
+        """The ``appliance.http.credentials.Credentials`` to check a request against now."""
+        ...
+
+
 @dataclass(eq=False)
 class LiveState:
-    """The two values that change while the app runs, so that whoever reads them knows they may have."""
+    """The values that change while the app runs, so that whoever reads them knows they may have."""
 
     settings: LiveSettings  # replaced whole by a hot reload (the keys in appliance.maintenance.reload.HOT_KEYS)
     draining: bool = False  # set once, by appliance serve's first SIGTERM/SIGINT: not ready, new requests get 503
+    keyring: KeyringView | None = None  # rotated by a hot reload; None: the settings' own credentials
+
+    @property
+    def credentials(self) -> Any:
+        """What the auth checks take: the keyring's (replaced secrets still in their window), else the settings'."""
+        return self.keyring.current() if self.keyring is not None else self.settings.credentials
 
 
 @dataclass(frozen=True, eq=False)

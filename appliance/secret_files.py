@@ -1,4 +1,5 @@
-"""Secrets read from files (``admin_token_file``, ``api_keys_file``, ``alerts_token_file``, ``metrics_token_file``).
+"""Secrets read from files (``admin_token_file``, ``api_keys_file``, ``alerts_token_file``, ``metrics_token_file``,
+``lease_token_file``, ``engine_key_file``: keys of the gateway section).
 
 Why files: an environment variable is inherited by every child process and shown by ``docker inspect`` and
 ``kubectl describe``; a file mounted from a compose secret or a Kubernetes Secret volume is readable by the one
@@ -24,6 +25,7 @@ class SecretPair:
 
     value: str  # e.g. "admin_token"
     many: bool = False  # api_keys: one key a line
+    flat: bool = True  # also a top-level key (an earlier name, APPLIANCE_ADMIN_TOKEN); False: gateway.<value> only
 
     @property
     def file(self) -> str:
@@ -31,11 +33,15 @@ class SecretPair:
 
     @property
     def env(self) -> str:
-        return f"APPLIANCE_{self.value.upper()}"
+        """The variable that sets it (its file: this plus ``_FILE``)."""
+        return f"APPLIANCE_{self.value.upper()}" if self.flat else f"APPLIANCE_GATEWAY__{self.value.upper()}"
 
 
+# lease_token: what node pods hold instead of the admin token (the restart lease, nothing else); engine_key: what
+# the gateway presents to the engines, which refuse every other caller (docs/security.md).
 SECRET_PAIRS = (SecretPair("admin_token"), SecretPair("api_keys", many=True), SecretPair("alerts_token"),
-                SecretPair("metrics_token"))
+                SecretPair("metrics_token"), SecretPair("lease_token", flat=False),
+                SecretPair("engine_key", flat=False))
 
 
 def read_secret_file(path: Path, *, setting: str) -> str:

@@ -17,10 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import secrets
 import signal
 import socket
+import stat
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -28,14 +32,20 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from appliance.admin_client import TOKEN_FILE
+from appliance.admin_token import ensure_admin_token
 from appliance.app import create_app
-from appliance.collectors import engine_stats_env
+from appliance.collectors import engine_stats_dir, engine_stats_env
 from appliance.composition.fleet import build_dns_fleet, build_supervisor
 from appliance.context import context_of
+from appliance.engine.capabilities import clear_ambient, missing_for_engine_user
 from appliance.engine.contract import Fleet
 from appliance.engine.external import ExternalFleet
+from appliance.engine.guard import ENGINE_KEY_ENV
+from appliance.engine.supervisor import engine_user
 from appliance.gateway.intake.connections import GuardedHttpToolsProtocol
-from appliance.settings import Settings
+from appliance.secret_files import SECRET_PAIRS
+from appliance.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +127,84 @@ def node_pending(app: FastAPI) -> int:
 
 def engine_extra_env(settings: Settings) -> dict[str, str]:
     """What every supervised engine's environment carries for the other parts: the collectors' engine plugin
-    learns where to write its allocator statistics."""
-    return engine_stats_env(settings.collectors, settings.state_dir)
+    learns where to write its allocator statistics, and vLLM the key it requires (VLLM_API_KEY: an environment
+    variable is readable by the engine's own user only, a command-line flag by every user in /proc/<pid>/cmdline)."""
+    key = settings.gateway.engine_key
+    return {**engine_stats_env(settings.collectors, settings.state_dir), **({ENGINE_KEY_ENV: key} if key else {})}
+
+
+def runs_own_engines(settings: Settings) -> bool:
+    """Whether this process starts engines (roles all and node, no engine_urls): only those get the engine key
+    from it, and only those can be run as ``engine.user``."""
+    return settings.role != "gateway" and not settings.discovery.engine_urls
+
+
+def with_engine_key(settings: Settings) -> Settings:
+    """The engine key the gateway sends and the engines require: the configured one, else, for engines this
+    appliance runs and nobody else calls, a new one for this run, kept in memory only (the gateway and its engines
+    are its only holders). A node pod's engines are called by gateway pods, which cannot know a generated key."""
+    if settings.gateway.engine_key or not runs_own_engines(settings):
+        return settings
+    if settings.role == "node":
+        log.warning("no gateway.engine_key: this node's engines answer anyone who reaches them; give node and "
+                    "gateway pods the same gateway.engine_key_file (docs/kubernetes.md)")
+        return settings
+    return settings.replaced({"gateway.engine_key": secrets.token_urlsafe(32)})
+
+
+def with_node_admin_token(settings: Settings) -> Settings:
+    """A node pod holds no gateway's admin token (its engines share its user, docs/security.md): its own /admin
+    (`appliance status` in the pod) gets a token of its own, generated into the state dir as `appliance up` does,
+    which opens this node's engines only."""
+    if settings.role != "node" or settings.gateway.admin_token is not None:
+        return settings
+    return settings.replaced({"gateway.admin_token": ensure_admin_token(settings.state_dir)})
+
+
+def secret_paths(settings: Settings) -> list[Path]:
+    """Every file holding a secret of the appliance's (the engine key aside: the engines hold it anyway)."""
+    gateway = settings.gateway
+    paths = [getattr(gateway, pair.file) for pair in SECRET_PAIRS if pair.value != "engine_key"]
+    paths += [tenant.api_keys_file for tenant in settings.tenants]
+    paths += [settings.maintenance.grafana_token_file, settings.state_dir / TOKEN_FILE]
+    return [path for path in paths if path is not None and path.exists()]
+
+
+def check_engine_user(settings: Settings) -> None:
+    """With ``engine.user``: refuse to start where the engines would not be kept from the secrets after all, the
+    appliance unable to run them as that user, or a secret file readable by it. Prepares what the engines write
+    (the collectors' statistics folder: sticky and writable by all, as /tmp)."""
+    user = engine_user(settings.engine)
+    if user is None or not runs_own_engines(settings):
+        return
+    missing = missing_for_engine_user()
+    if missing:
+        raise ConfigError(f"engine.user {user.name}: this appliance (uid {os.geteuid()}) lacks {', '.join(missing)} "
+                          "to start and stop processes as another user; run it as root or with those capabilities "
+                          "(the image's entrypoint does), or unset engine.user")
+    readable = user.readable(secret_paths(settings))
+    if readable:
+        raise ConfigError(f"engine.user {user.name} can read {', '.join(map(str, readable))}: make each secret file "
+                          f"readable by the appliance's user only (chmod 0600, or 0440 with a group {user.name} is "
+                          "not in)")
+    searchable(settings.state_dir)  # the engines reach the models and the statistics folder in it, list nothing
+    model = settings.model / "config.json" if settings.model is not None else None
+    if model is not None and model.exists() and not user.readable([model]):
+        raise ConfigError(f"engine.user {user.name} cannot read the model ({model}): make it readable by that user "
+                          "(files o+r, folders o+rx)")
+    if settings.collectors.enabled:
+        stats = engine_stats_dir(settings.collectors, settings.state_dir)
+        stats.mkdir(parents=True, exist_ok=True)
+        stats.chmod(0o1733)  # engines create their own files; only the appliance lists them
+
+
+def searchable(folder: Path) -> None:
+    """``folder`` (the appliance's own) passable by other users, not listable: a state volume an earlier image
+    created 0700 would keep the engine user from the models under it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mode = folder.stat()
+    if mode.st_uid == os.geteuid() and not mode.st_mode & 0o001:
+        folder.chmod(stat.S_IMODE(mode.st_mode) | 0o001)
 
 
 def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
@@ -138,11 +224,14 @@ def server_options(settings: Settings) -> dict[str, Any]:
     intake = settings.intake
     return {"http": GuardedHttpToolsProtocol.configured(
         header_timeout=intake.header_timeout_seconds, max_header_bytes=intake.max_header_bytes,
-        max_connections=intake.max_connections)}
+        max_connections=intake.max_connections, max_connections_per_client=intake.max_connections_per_client)}
 
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
+    clear_ambient()  # what the entrypoint gave this process to run its engines as engine.user, no child inherits
+    settings = with_node_admin_token(with_engine_key(settings))
+    check_engine_user(settings)
     registry = CollectorRegistry()
     fleet = build_fleet(settings, registry)
     app = create_app(settings, fleet=fleet, registry=registry)

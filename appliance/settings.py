@@ -16,6 +16,7 @@ holds whichever spelling each uses.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,7 +269,8 @@ class Settings(BaseSettings):
     def credentials(self) -> Credentials:
         """The bearer credentials the auth checks read (appliance.http.auth), from these settings."""
         gateway = self.gateway
-        return Credentials(tuple(self.all_api_keys), gateway.admin_token, gateway.alerts_token, gateway.metrics_token)
+        return Credentials(tuple(self.all_api_keys), gateway.admin_token, gateway.alerts_token, gateway.metrics_token,
+                           gateway.lease_token)
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> Settings:
@@ -287,8 +289,8 @@ class Settings(BaseSettings):
                              "its own engines, so uncoordinated node pods would restart at the same window start and "
                              "take the fleet below min_ready_replicas. Point it at one gateway process, which grants "
                              "restart leases (e.g. APPLIANCE_MAINTENANCE__COORDINATOR_URL=http://GATEWAY:8000, with "
-                             "the admin token; docs/maintenance.md, 'Beyond one host'), or set maintenance.enabled to "
-                             "false on node pods")
+                             "gateway.lease_token; docs/maintenance.md, 'Beyond one host'), or set maintenance.enabled "
+                             "to false on node pods")
         return self
 
     @model_validator(mode="after")
@@ -372,7 +374,7 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     try:
         loaded = _FileSettings(**overrides) if config_file else Settings(**overrides)
     except ValueError as exc:  # pydantic.ValidationError is a ValueError
-        raise ConfigError(_describe(exc)) from exc
+        raise ConfigError(_describe(exc)) from None  # the cause would carry the input values
     loaded._source = SettingsSource(config_file, dict(overrides))
     return loaded
 
@@ -383,9 +385,26 @@ def _check_yaml(path: Path) -> None:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_error_summary(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read ({type(exc).__name__})") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of keys to values")
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"')
+
+
+def yaml_error_summary(exc: yaml.YAMLError) -> str:
+    """Where and what kind of YAML error, never the text around it: PyYAML's own message quotes the offending line
+    (a secret's, as often as not), and this message goes to the CLI, the logs and /admin/reload's answer. The
+    problem's wording is kept, with anything it quotes (a character, an alias, a tag) left out."""
+    problem = getattr(exc, "problem", None)
+    kind = _QUOTED.sub("<omitted>", problem) if isinstance(problem, str) else type(exc).__name__
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is None:
+        return kind
+    return f"{kind} (line {mark.line + 1}, column {mark.column + 1})"
 
 
 def _describe(exc: ValueError) -> str:

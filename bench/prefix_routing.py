@@ -44,8 +44,8 @@ from pathlib import Path
 
 import aiohttp
 
-from appliance.gateway.routing import RoutingRequest, render_chat
 from appliance.gateway.routing.prefix_index import PrefixIndex
+from appliance.gateway.routing.request import RoutingRequest, render_chat
 from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.routing.settings import RoutingSettings
 from appliance.gateway.schemas import ChatMessage

@@ -204,6 +204,9 @@ def main() -> None:
     parser.add_argument("--compare-tree", metavar="DIR",
                         help="also measure the gateway of another source tree (e.g. a `git worktree` of the "
                              "commit before a change), as path gateway-other, in the same alternating rounds")
+    parser.add_argument("--other-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="settings for gateway-other only (with --compare-tree . the same tree: a feature's "
+                             "cost side by side, e.g. APPLIANCE_GATEWAY__REQUEST_RECORDS=0)")
     parser.add_argument("--profile", metavar="FILE",
                         help="run the gateway under cProfile and write its stats to FILE (pstats), then print where "
                              "its CPU went, by area and by function; slows the gateway, so compare shares, not times")
@@ -236,6 +239,8 @@ def main() -> None:
                    # gateway's own queue is not what is measured
                    "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(2 * args.concurrency),
                    "APPLIANCE_ADMISSION__MAX_QUEUE": str(4 * args.concurrency)}
+            if name == "gateway-other":
+                env.update(item.split("=", 1) for item in args.other_env)
             profiled = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if (
                 args.profile and name == "gateway") else []
             procs[name] = start([sys.executable, *profiled, "-m", "appliance.cli", "serve"], env,

@@ -15,7 +15,7 @@ from appliance.cli import main
 from appliance.context import context_of
 from appliance.gateway.observation.records import AttemptRecord, MigrationRecord, RequestRecord
 from appliance.gateway.routes import requests as routes_requests
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Router
 from appliance.settings import Settings
 from tests.doubles import FakeReplica

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.secret_files import SECRET_PAIRS
+from appliance.secret_files import SECRET_PAIRS, SecretPair
 from appliance.settings import ConfigError, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,14 +24,20 @@ def secret(tmp_path: Path, name: str, text: str, mode: int = 0o600) -> Path:
     return path
 
 
+def given(pair: SecretPair, values: dict[str, object]) -> dict[str, object]:
+    """Settings arguments for keys of ``pair``: top-level for the keys that were (earlier names), else sectioned."""
+    return values if pair.flat else {"gateway": values}
+
+
 @pytest.mark.parametrize("pair", SECRET_PAIRS, ids=lambda p: p.value)
 def test_every_secret_comes_from_its_file_and_the_file_wins_nothing_when_both_are_set(tmp_path, pair) -> None:
     path = secret(tmp_path, pair.file, "  s3cret-value\n")
-    loaded = load_settings(**{pair.file: path})
+    loaded = load_settings(**given(pair, {pair.file: path}))
     assert getattr(loaded.gateway, pair.value) == (["s3cret-value"] if pair.many else "s3cret-value")
     with pytest.raises(ConfigError) as both:
-        load_settings(**{pair.file: path, pair.value: ["other"] if pair.many else "other"})
+        load_settings(**given(pair, {pair.file: path, pair.value: ["other"] if pair.many else "other"}))
     assert pair.value in str(both.value) and pair.file in str(both.value) and "s3cret" not in str(both.value)
+    assert pair.env in str(both.value)  # the variable the operator sets it with
 
 
 @pytest.mark.parametrize("pair", SECRET_PAIRS, ids=lambda p: p.value)
@@ -42,7 +48,7 @@ def test_a_missing_empty_or_unreadable_file_is_a_config_error_naming_it(tmp_path
     directory.mkdir()
     for path, why in ((missing, "does not exist"), (empty, "empty"), (directory, "cannot be read")):
         with pytest.raises(ConfigError) as error:
-            load_settings(**{pair.file: path})
+            load_settings(**given(pair, {pair.file: path}))
         assert str(path) in str(error.value) and why in str(error.value) and pair.file in str(error.value)
 
 

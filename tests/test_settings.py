@@ -58,6 +58,40 @@ def test_invalid_config_is_a_clear_error(tmp_path, text, fragment):
         load_settings(write(tmp_path, text))
 
 
+SECRET = "s3cret-Do-Not-Echo"
+
+
+@pytest.mark.parametrize("text", [
+    f'admin_token: "{SECRET}\nreplicas: [\n',  # an unterminated quote: PyYAML quotes the line
+    f"api_keys: [{SECRET}\nport: 80: 81\n",
+    f"metrics_token: {SECRET}: x\n",
+    f"admin_token: *{SECRET}\n",  # an undefined alias: PyYAML names it
+    f"admin_token: {SECRET}\n\tport: 1\n",  # a tab: PyYAML quotes the character and the line
+])
+def test_a_yaml_error_names_file_line_and_column_never_the_text(tmp_path, text):
+    """Its message goes to the CLI, the logs and /admin/reload's answer: it must not carry a secret."""
+    with pytest.raises(ConfigError) as raised:
+        load_settings(write(tmp_path, text))
+    message = str(raised.value)
+    assert SECRET not in message and "s3cret" not in message
+    assert "appliance.yaml is not valid YAML" in message and "line " in message and "column " in message
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+@pytest.mark.parametrize("text", [
+    f"admin_token: [{SECRET}]\n",
+    f"gateway:\n  metrics_token: {{x: {SECRET}}}\n",
+    f"api_keys: {{{SECRET}: 1}}\n",
+    f"tenants: [{{name: a, api_keys: [{SECRET}], weight: heavy}}]\n",
+    f"tenants: [{{name: {SECRET}!, api_keys: [k]}}]\n",
+    f"gateway:\n  alerts_token: {SECRET}\n  secret_overlap_seconds: -{SECRET}\n",
+])
+def test_a_validation_error_never_echoes_an_input_value(tmp_path, text):
+    with pytest.raises(ConfigError) as raised:
+        load_settings(write(tmp_path, text))
+    assert SECRET not in str(raised.value) and raised.value.__cause__ is None
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "absent.yaml")

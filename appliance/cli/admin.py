@@ -33,9 +33,10 @@ def register(sub: Any) -> None:
                     "settings by a rolling restart",
                     cmd_reload, description="Re-reads the configuration file and environment the appliance was "
                     "started with, validates them, and restarts the replicas one at a time onto the new engine.* "
-                    "settings; tenants and API keys apply at once, without a restart (quota levels kept). Changes "
-                    "that cannot roll (ports, host, replica count, model, gateway settings) are refused with the "
-                    "keys listed; nothing changes then.")
+                    "settings; tenants, API keys and the admin, alerts and metrics tokens apply at once, without a "
+                    "restart (quota levels kept; a replaced key or token stays valid for "
+                    "gateway.secret_overlap_seconds). Changes that cannot roll (ports, host, replica count, model, "
+                    "other gateway settings) are refused with the keys listed; nothing changes then.")
     _admin_flags(p)
 
     p = add_command(sub, "requests", "the last requests: where each went, why, and where its time went "

@@ -108,9 +108,10 @@ def cmd_config(args: argparse.Namespace) -> int:
             from appliance.serve import engine_extra_env
 
             for spec in build_specs(settings, settings.model, engine_extra_env(settings)):
-                env = " ".join(f"{k}={v}" for k, v in spec.env.items())
-                command = spec.command if args.show_secrets else redact_argv(spec.command)
-                print(f"# {spec.name}: {env} {' '.join(command)}")
+                env = [f"{k}={v}" for k, v in spec.env.items()]  # VLLM_API_KEY: the engine key
+                env, command = (env, spec.command) if args.show_secrets else (redact_argv(env),
+                                                                              redact_argv(spec.command))
+                print(f"# {spec.name}: {' '.join(env)} {' '.join(command)}")
     return 0
 
 

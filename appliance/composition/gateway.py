@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
 from appliance.engine.contract import Replica
+from appliance.engine.guard import engine_authorization
 from appliance.engine.load import EngineLoadPoller
 from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
 from appliance.gateway.admission.queue import Admission
@@ -27,6 +28,7 @@ from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.metering import Metering
 from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.upstream.exchange import Hook
 from appliance.gateway.upstream.transport import Upstream
 from appliance.settings import Settings
@@ -54,16 +56,20 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     # The request path's hooks, in the order they run on the request's side (the response's side runs them in
     # reverse): observation first, so it sees every other hook's doing and the client's bytes last; migration
     # next to the record, nearest the engine, so the others see the continued stream as the client gets it; the
-    # record last on the request's side, so it sees every decision made before it.
+    # record last on the request's side, so it sees every decision made before it. Revocation (streams only) is
+    # nearest the engine: when a reload removes a tenant, its break must be resolved before migration's.
+    revocation = Revocation()
     hooks: list[Hook] = [Observation(request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                          tracing=_records_traces(settings.gateway, span_exporter)),
              Metering(accounting, quotas, admission),
              migration,
-             Recording(records)]
+             Recording(records),
+             revocation]
     upstream = Upstream(admission, hooks,
                         timeout_seconds=settings.gateway.request_timeout_seconds,
                         idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
-                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds)
+                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds,
+                        engine_headers=engine_authorization(settings.gateway.engine_key))
     migration.placement = upstream
     registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
                                      upstream.open_requests))
@@ -71,7 +77,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                               on_poll=admission.on_poll)
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
-                   event_loop, records=records)
+                   event_loop, records=records, revocation=revocation)
 
 
 def _records_traces(settings: GatewaySettings, exporter: SpanExporter | None) -> bool:

@@ -1,7 +1,7 @@
 """Maintenance as the settings describe it: its own section, plus the gateway's drain timeout and port, the routing
-poll (a node's engine-side traffic), the collectors' engine statistics (the memory watch), the served model (the
-warm-up request), the role and the engine host (restart leases), and the whole configuration again for a reload.
-See ``appliance.composition`` for why this is not in ``appliance.maintenance``."""
+poll (a node's engine-side traffic), the collectors' engine statistics (the memory watch), the served model and the
+engine key (the warm-up request), the role, the engine host and the lease token (restart leases), and the whole
+configuration again for a reload. See ``appliance.composition`` for why this is not in ``appliance.maintenance``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.collectors import engine_stats_dir
 from appliance.engine.contract import Replica
+from appliance.engine.guard import engine_authorization
 from appliance.engine.settings import EngineSettings
 from appliance.maintenance.annotations import Annotator
 from appliance.maintenance.confirm import AlertConfirmation
@@ -51,7 +52,8 @@ def build_maintenance(settings: Settings, *, registry: CollectorRegistry, replic
                                ready_seconds=m.restart_ready_timeout_seconds,
                                min_ready_wait_seconds=m.min_ready_wait_seconds)
     assert settings.served_model_name is not None  # Settings' own validator fills it in when unset
-    warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens)
+    warm = warm or http_warmer(settings.served_model_name, m.warmup_prompt, m.warmup_max_tokens,
+                               headers=engine_authorization(settings.gateway.engine_key))
     annotator = annotator or Annotator(m.grafana_url, m.grafana_token, m.grafana_token_file)
     seen = traffic_seen(settings, replicas, data_path)
     traffic = TrafficSampler(seen.requests_total, seen.queue_length,
@@ -127,7 +129,9 @@ def restart_coordinator(settings: Settings) -> RestartCoordinator:
     if address is None and settings.engine.host not in ("0.0.0.0", "::", ""):
         address = settings.engine.host
     holder = f"{socket.gethostname()}/{address or 'pod'}:{settings.gateway.port}"
-    return GatewayLeaseCoordinator(m.coordinator_url, settings.gateway.admin_token, holder=holder, address=address,
+    # The lease token opens the lease and nothing else: a node pod needs no admin token (docs/security.md).
+    token = settings.gateway.lease_token or settings.gateway.admin_token
+    return GatewayLeaseCoordinator(m.coordinator_url, token, holder=holder, address=address,
                                    lease_seconds=m.coordinator_lease_seconds,
                                    timeout_seconds=m.coordinator_timeout_seconds)
 

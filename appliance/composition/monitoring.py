@@ -38,6 +38,15 @@ def sd_bearer_token(settings: Settings) -> str | None:
     return settings.gateway.admin_token or settings.all_api_keys[0]
 
 
+def metrics_bearer_token(settings: Settings) -> str | None:
+    """The token Prometheus sends when it scrapes the gateway's /metrics: the metrics token when set; else, when
+    API keys close /metrics (it names the tenants and their usage), the admin token; None when /metrics is open.
+    With API keys and neither token, /metrics is closed to everyone: set gateway.metrics_token."""
+    if settings.gateway.metrics_token:
+        return settings.gateway.metrics_token
+    return settings.gateway.admin_token if settings.all_api_keys else None
+
+
 def alerts_bearer_token(settings: Settings) -> str | None:
     """The token Alertmanager's webhook sends to /admin/alerts: the alerts token, which opens that route only;
     else the admin token; None: the appliance's receiver is dropped (the route would answer 403)."""
@@ -46,7 +55,7 @@ def alerts_bearer_token(settings: Settings) -> str | None:
 
 def bundle_tokens(settings: Settings) -> BundleTokens:
     """The gateway's tokens as Prometheus and Alertmanager send them."""
-    return BundleTokens(sd=sd_bearer_token(settings), metrics=settings.gateway.metrics_token,
+    return BundleTokens(sd=sd_bearer_token(settings), metrics=metrics_bearer_token(settings),
                         alerts=alerts_bearer_token(settings))
 
 

@@ -8,6 +8,7 @@ composition root (``appliance.app``) builds it and hands the pieces maintenance 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,11 @@ from appliance.gateway.routing.router import Router
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.tenants.settings import TenantSettings
 from appliance.gateway.upstream.transport import Upstream
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,13 +45,28 @@ class Gateway:
     event_loop: EventLoopLag
     records: RequestRecords  # the last requests' records (GET /admin/requests): gateway.request_records
 
-    def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str]) -> None:
+    revocation: Revocation | None = None  # the hook that ends a removed tenant's streams
+
+    def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
+                       overlap_seconds: float = 0.0) -> list[str]:
         """A new tenant configuration, applied at once (``appliance reload``): keys, priorities, weights and quota
-        rates; every bucket's level is kept."""
-        self.tenants.update(tenants, flat_keys)
+        rates; every bucket's level is kept, a removed tenant's too (it gets it back if added again). A key a
+        tenant no longer has stays valid for ``overlap_seconds``; a removed tenant's keys are revoked at once and
+        its requests ended: queued ones answered 401, streams ended with an error event. Returns the removed
+        tenants' names."""
+        before = {tenant.name for tenant in self.tenants.tenants()}
+        self.tenants.update(tenants, flat_keys, overlap_seconds=overlap_seconds)
         configured = self.tenants.tenants()
         self.quotas.update(configured)
         self.accounting.configure(tenant.name for tenant in configured)
+        removed = sorted(before - {tenant.name for tenant in configured})
+        self.admission.readmit(tenant.name for tenant in configured)
+        if removed:
+            queued = self.admission.revoke(removed)
+            streams = self.revocation.revoke(removed) if self.revocation is not None else 0
+            log.warning("tenants removed by a reload: %s; their keys are revoked (%d queued request(s) and %d "
+                        "stream(s) ended)", ", ".join(removed), queued, streams)
+        return removed
 
     def count_unproxied(self, path: str, scope: MutableMapping[str, Any], status: int) -> None:
         """An answer the proxy never saw (validation, auth, drain...): the fleet's count, and the tenant's when

@@ -45,6 +45,22 @@ class GatewaySettings(BaseModel):
         "and Prometheus sends it; unset: /metrics open, /sd/targets as with API keys."
     )
     metrics_token_file: Path | None = Field(None, description="File holding metrics_token; not with metrics_token.")
+    lease_token: str | None = Field(
+        None, description="Bearer token accepted on /maintenance/lease only (a node pod's restart lease), besides "
+        "the admin token; a node sends it to maintenance.coordinator_url when set, else the admin token."
+    )
+    lease_token_file: Path | None = Field(None, description="File holding lease_token; not with lease_token.")
+    engine_key: str | None = Field(
+        None, description="The key engines require (vLLM's VLLM_API_KEY) and the gateway sends them (Authorization: "
+        "Bearer); nobody else gets an answer from an engine except /health and /metrics. Unset: generated at start "
+        "for the engines this appliance runs; gateway and node pods must share one (engine_key_file)."
+    )
+    engine_key_file: Path | None = Field(None, description="File holding engine_key; not with engine_key.")
+    secret_overlap_seconds: float = Field(
+        300, ge=0, description="After `appliance reload` replaces the admin, alerts or metrics token or an API key, "
+        "the previous value stays accepted this long, so its holders can move to the new one; then it is refused. "
+        "0: refused at once. A removed tenant's keys are revoked at once, whatever this says."
+    )
     # No default here: it is the monitoring config's TTFT threshold, which only the settings that compose this
     # section with the monitoring one can find (appliance.settings resolves it when no source sets it).
     slo_ttft_p95_seconds: float = Field(

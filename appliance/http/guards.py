@@ -9,13 +9,16 @@ from fastapi import Request
 from appliance.context import app_context
 from appliance.http.auth import (
     ALERTS_PATH,
+    accepts,
     admin_error,
     alerts_error,
     api_key_error,
     api_key_or_admin_error,
+    authorization_of,
     bearer,
     metrics_error,
 )
+from appliance.http.credentials import ADMIN, LEASE, Credentials
 from appliance.http.errors import APIError
 
 
@@ -24,12 +27,17 @@ def _raise(error: APIError | None) -> None:
         raise error
 
 
+def _authorization(request: Request) -> str | None:
+    """The request's one Authorization header, as the intake reads it (more than one: 401, as there)."""
+    return authorization_of(request.headers.getlist("authorization"))
+
+
 async def require_api_key(request: Request) -> None:
     """/v1's dependency: a valid key, and whose it is (``request.state.tenant``, for accounting, quotas and fair
     share; ``appliance.gateway.tenants``)."""
-    authorization = request.headers.get("authorization")
+    authorization = _authorization(request)
     ctx = app_context(request)
-    _raise(api_key_error(ctx.live.settings.credentials, authorization))
+    _raise(api_key_error(ctx.live.credentials, authorization))
     tenant = ctx.gateway.tenants.identify(bearer(authorization))
     if tenant is None:  # accepted by the settings, unknown to the directory: a reload between the two reads
         raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
@@ -41,15 +49,32 @@ async def require_admin(request: Request) -> None:
     """Every /admin route's dependency: the admin token, except on /admin/alerts, which also takes the alerts
     token (the routes share one router; the path decides, as in ``check_for_path``)."""
     check = alerts_error if getattr(request.scope.get("route"), "path", None) == ALERTS_PATH else admin_error
-    _raise(check(app_context(request).live.settings.credentials, request.headers.get("authorization")))
+    _raise(check(app_context(request).live.credentials, _authorization(request)))
+
+
+def lease_error(credentials: Credentials, authorization: str | None) -> APIError | None:
+    """/maintenance/lease (a node pod's restart lease): the lease token or the admin token; off (403) without either.
+    The one credential a node pod needs from a gateway, so that it holds no admin token (docs/security.md)."""
+    if not credentials.enabled(LEASE) and not credentials.enabled(ADMIN):
+        return APIError(403, "restart leases disabled: set gateway.lease_token or gateway.admin_token",
+                        code="admin_disabled")
+    if not accepts(credentials, authorization, LEASE, ADMIN):  # digests, constant time, every value compared
+        return APIError(401, "invalid or missing lease or admin token", code="invalid_lease_token",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def require_lease(request: Request) -> None:
+    """The restart lease routes' dependency, and their only check: the intake's (appliance/http/auth.py) leaves
+    /maintenance/lease to it, so the body is read before the token is checked (at most max_request_bytes)."""
+    _raise(lease_error(app_context(request).live.credentials, _authorization(request)))
 
 
 async def require_metrics(request: Request) -> None:
-    _raise(metrics_error(app_context(request).live.settings.credentials, request.headers.get("authorization")))
+    _raise(metrics_error(app_context(request).live.credentials, _authorization(request)))
 
 
 async def require_api_key_or_admin(request: Request) -> None:
-    _raise(api_key_or_admin_error(app_context(request).live.settings.credentials,
-                                  request.headers.get("authorization")))
+    _raise(api_key_or_admin_error(app_context(request).live.credentials, _authorization(request)))
 
 

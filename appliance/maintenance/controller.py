@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -254,15 +254,16 @@ class MaintenanceController:
                 raise NotSupervised(f"{replica.name} is not supervised by this appliance")
 
 
-def http_warmer(model: str, prompt: str, max_tokens: int,
-                timeout_seconds: float = 30.0) -> Callable[[Replica], Awaitable[bool]]:
-    """One small completion straight to the replica (it is not routable yet); True on a 200."""
+def http_warmer(model: str, prompt: str, max_tokens: int, timeout_seconds: float = 30.0,
+                headers: Mapping[str, str] | None = None) -> Callable[[Replica], Awaitable[bool]]:
+    """One small completion straight to the replica (it is not routable yet); True on a 200. ``headers``: what
+    every request to an engine carries (the engine key, which the engine requires)."""
 
     async def warm(replica: Replica) -> bool:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as session, \
-                    session.post(f"{replica.url}/v1/completions", json=body) as response:
+                    session.post(f"{replica.url}/v1/completions", json=body, headers=headers) as response:
                 await response.read()
                 if response.status != 200:
                     log.warning("%s: warm-up request answered %d", replica.name, response.status)

@@ -6,7 +6,7 @@ at replicas - 1), and every node pod shares one configuration, so without coordi
 their only engine at the same window start. So a node's rolling restart asks, before each replica, for a
 **restart lease** from a coordinator with a fleet-wide view:
 
-- ``GatewayLeaseCoordinator`` (the node side): asks a gateway (``maintenance.coordinator_url``, admin token) for
+- ``GatewayLeaseCoordinator`` (the node side): asks a gateway (``maintenance.coordinator_url``, lease token) for
   the lease, renews it while the restart runs, and releases it once the replica is back, ready and warmed. Any
   failure to reach the coordinator is a refusal: a node that cannot ask does not restart.
 - ``LeaseBoard`` (the gateway side): one holder at a time, and a lease only while the gateway's discovery view
@@ -38,7 +38,7 @@ from appliance.maintenance.errors import BelowMinReady, MaintenanceBusy, Mainten
 
 log = logging.getLogger(__name__)
 
-LEASE_PATH = "/admin/maintenance/lease"
+LEASE_PATH = "/maintenance/lease"  # the lease token's (or the admin token's) route; /admin/maintenance/lease: admin
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,8 @@ def port_of(replica: Replica) -> int:
 
 
 class GatewayLeaseCoordinator:
-    """The node's side: asks a gateway's LeaseBoard (``POST/DELETE /admin/maintenance/lease``)."""
+    """The node's side: asks a gateway's LeaseBoard (``GET/POST/DELETE /maintenance/lease``, with the lease token, or
+    the admin token where no lease token is set)."""
 
     retry_seconds = 2.0
 

@@ -2,16 +2,18 @@
 API keys at once, and roll the replicas onto the new engine settings, one at a time (the rolling restart, so
 ``min_ready_replicas`` holds).
 
-What applies at once (``HOT_KEYS``): ``tenants``, ``gateway.api_keys`` and ``gateway.api_keys_file`` -- the keys,
-each tenant's priority, weight and quota rates -- through the ``hot`` callback the composition root gives (the
-gateway's tenant directory, quotas and accounting, and the settings the key check reads). No restart: every
-tenant's quota bucket keeps its level (a tenant in debt stays in debt), a removed tenant's keys are refused from
-then on.
+What applies at once (``HOT_KEYS``): ``tenants``, ``gateway.api_keys`` and the admin, alerts and metrics tokens
+(and their ``*_file`` twins) -- the keys, each tenant's priority, weight and quota rates, the credentials --
+through the ``hot`` callback the composition root gives (the gateway's tenant directory, quotas and accounting,
+and the keyring the credential checks read). No restart: every tenant's quota bucket keeps its level (a tenant in
+debt stays in debt, removed and added back too). A replaced secret (a token, a tenant's key) stays accepted for
+``gateway.secret_overlap_seconds``, then is refused, so that whoever holds it can move to the new one; a removed
+tenant's keys are revoked at once and its queued and streaming requests ended.
 
 What can roll: the ``engine`` section's vLLM settings (its flags, its environment, its timeouts), because each
 replica's command line is rebuilt from them at its next start (``Reconfigurable.stage`` takes the new section). What
 cannot: anything else the running gateway, collectors or maintenance were built from at start (the gateway section:
-ports, host, the admin and metrics tokens; replica count, model, served name, routing, admission, maintenance ...),
+ports, host, timeouts; replica count, model, served name, routing, admission, maintenance ...),
 the engine section's ``NOT_ROLLABLE_ENGINE_KEYS`` (where engines listen and log, and the supervisor's crash backoff,
 fixed when the fleet was built), and ``engine.tensor_parallel_size`` (it changes which devices a replica holds, and
 replicas restarted one at a time would overlap the ones not yet restarted). A reload that changes any of
@@ -51,9 +53,14 @@ log = logging.getLogger(__name__)
 NOT_ROLLABLE_ENGINE_KEYS = frozenset({
     "engine.tensor_parallel_size", "engine.base_port", "engine.host", "engine.advertise_host", "engine.log_max_bytes",
     "engine.log_backups", "engine.log_stdout", "engine.restart_backoff_initial_seconds",
-    "engine.restart_backoff_max_seconds",
+    "engine.restart_backoff_max_seconds", "engine.user",  # the user is checked once, at start (secrets, model)
 })
-HOT_KEYS = ("tenants", "gateway.api_keys", "gateway.api_keys_file")  # applied at once, without a restart
+# Applied at once, without a restart: the tenants and every credential (a replaced secret stays valid for
+# gateway.secret_overlap_seconds, so its holders can move over; appliance.http.credentials.Keyring).
+HOT_KEYS = ("tenants", "gateway.api_keys", "gateway.api_keys_file", "gateway.admin_token",
+            "gateway.admin_token_file", "gateway.alerts_token", "gateway.alerts_token_file", "gateway.metrics_token",
+            "gateway.metrics_token_file", "gateway.lease_token", "gateway.lease_token_file",
+            "gateway.secret_overlap_seconds")
 
 
 class ReloadUnavailable(MaintenanceError):
@@ -164,8 +171,9 @@ class ConfigReloader(Generic[C]):
         blocked = [key for key in changed if not rollable(key) and key not in hot]
         if blocked:
             raise ReloadRefused(f"cannot roll {', '.join(blocked)} onto running replicas (only engine.* settings "
-                                f"roll, except {', '.join(sorted(NOT_ROLLABLE_ENGINE_KEYS))}; tenants and "
-                                "gateway.api_keys apply at once); restart the appliance for these. Nothing changed.")
+                                f"roll, except {', '.join(sorted(NOT_ROLLABLE_ENGINE_KEYS))}; tenants, "
+                                "gateway.api_keys and the gateway's tokens apply at once); restart the appliance for "
+                                "these. Nothing changed.")
         rolling = len(hot) < len(changed)
         if rolling and self._controller.busy:
             raise MaintenanceBusy("a restart is in progress; reload again when it is done")

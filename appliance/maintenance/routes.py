@@ -1,8 +1,9 @@
 """Maintenance's HTTP surface: drain, undrain and restart one replica, the rolling restart, the Alertmanager
 webhook, and (role gateway) the restart lease node pods ask for before each restart. Admin token required, like
 every /admin route; the webhook also takes the alerts token, which opens nothing else (Alertmanager sends it with
-``http_config.authorization``; appliance/http/auth.py, guards.py). Actions go through the
-maintenance controller, so each is logged, counted and annotated the same way whoever asks; refusals are
+``http_config.authorization``; appliance/http/auth.py, guards.py), and the lease is also served at
+``/maintenance/lease`` for the lease token, which opens nothing else either (a node pod's one credential). Actions
+go through the maintenance controller, so each is logged, counted and annotated the same way whoever asks; refusals are
 ``MaintenanceError``s, mapped to HTTP by ``appliance.app``.
 """
 
@@ -18,11 +19,13 @@ from appliance.context import AppContext, Context
 from appliance.engine.discovery import replica_name
 from appliance.http import json_body
 from appliance.http.errors import APIError
-from appliance.http.guards import require_admin
+from appliance.http.guards import require_admin, require_lease
 from appliance.maintenance.coordination import LeaseBoard, NotCoordinator
 from appliance.maintenance.webhook import AlertmanagerPayload
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"])
+# The restart lease again, outside /admin: node pods take it with the lease token, which opens nothing else.
+lease_router = APIRouter(prefix="/maintenance", dependencies=[Depends(require_lease)], tags=["maintenance"])
 
 
 @router.post("/replicas/{name}/drain")
@@ -82,6 +85,7 @@ def _leases(ctx: AppContext) -> LeaseBoard:
     return board
 
 
+@lease_router.post("/lease")
 @router.post("/maintenance/lease")
 async def acquire_lease(request: Request, ctx: Context) -> dict[str, Any]:
     """Grant or renew the restart lease: 409 ``restart_lease_held`` (another node restarts now),
@@ -100,11 +104,13 @@ async def acquire_lease(request: Request, ctx: Context) -> dict[str, Any]:
             "ttl_seconds": min(body.ttl_seconds, board.max_ttl_seconds)}
 
 
+@lease_router.delete("/lease")
 @router.delete("/maintenance/lease")
 async def release_lease(holder: str, ctx: Context) -> dict[str, Any]:
     return {"released": _leases(ctx).release(holder)}
 
 
+@lease_router.get("/lease")
 @router.get("/maintenance/lease")
 async def lease_status(ctx: Context) -> dict[str, Any]:
     return _leases(ctx).status()

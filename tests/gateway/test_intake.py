@@ -181,6 +181,35 @@ def test_connections_beyond_the_cap_get_a_503_with_retry_after():
         assert httpx.get(f"{gateway.url}/health/live", timeout=10).status_code == 200
 
 
+def test_one_client_cannot_take_every_connection():
+    """The connection cap comes before authentication: without a per-client bound, one client's idle keep-alive
+    connections locked everyone else out. Its connections beyond intake.max_connections_per_client get a 503,
+    and another client (another address) is still served."""
+    settings = Settings(served_model_name="demo", intake={"max_connections": 100, "max_connections_per_client": 2})
+    with live(settings) as gateway:
+        idle = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(2)]
+        try:
+            assert wait_until(lambda: len(gateway.server.server_state.connections) == 2)
+            with socket.create_connection(("127.0.0.1", gateway.port)) as extra:
+                extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: gateway\r\n\r\n")
+                answer, closed = read_answer(extra)
+            assert answer.startswith(b"HTTP/1.1 503 ") and closed
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"retry-after: " in head.lower()
+            assert json.loads(body)["error"]["code"] == "too_many_client_connections"
+            with socket.create_connection(("127.0.0.1", gateway.port), source_address=("127.0.0.2", 0)) as other:
+                other.sendall(b"GET /health/live HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n")
+                answer, _ = read_answer(other)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+        finally:
+            for sock in idle:
+                sock.close()
+        assert wait_until(lambda: not gateway.server.server_state.connections)
+        assert httpx.get(f"{gateway.url}/health/live", timeout=10).status_code == 200
+        protocol = gateway.server.config.http
+        assert wait_until(lambda: not protocol.per_client)  # every connection counted was uncounted
+
+
 def test_headers_that_never_end_are_a_408_within_the_header_timeout():
     with live(Settings(served_model_name="demo", intake={"header_timeout_seconds": 0.5})) as gateway:
         started = time.monotonic()

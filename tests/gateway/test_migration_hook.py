@@ -136,3 +136,23 @@ def test_a_rerun_of_a_non_streaming_answer_is_counted_by_what_came_of_it() -> No
     ex.hooks.finished(End(200, Outcome.SUCCESS, True, time.monotonic()))
     assert registry.get_sample_value("appliance_stream_migrations_total",
                                      {"reason": "connection", "outcome": "continued"}) == 1
+
+
+def test_a_continuation_that_cannot_connect_says_so_without_the_engines_address() -> None:
+    class Unreachable(FakePlacement):
+        async def post(self, ex: Exchange, path: str, body: bytes):
+            raise aiohttp.ClientOSError(111, "Cannot connect to host 10.42.0.17:8100")
+
+    migration, _, _ = hook()
+    migration.placement = Unreachable()
+    ex = exchange({"prompt": [1, 2, 3], "stream": True, "max_tokens": 10})
+    req = migration.start(ex)
+    assert req is not None
+    chain(ex, req)
+    begin(ex, "10.42.0.16:8100")
+    relay(req, b"".join(stream_events(2)), [])
+    resolution = asyncio.run(req.broke(Break(aiohttp.ServerDisconnectedError(), "10.42.0.16:8100", "connection",
+                                             time.monotonic())))
+    assert resolution is not None and not resolution.resumed and resolution.status == 502
+    assert b"no replica could continue it (ClientOSError)" in resolution.out
+    assert b"10.42.0." not in resolution.out

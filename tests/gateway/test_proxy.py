@@ -4,6 +4,7 @@ routing."""
 import json
 import threading
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -189,3 +190,21 @@ def test_a_replica_that_keeps_dropping_connections_gets_one_more_try_only(make_c
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 502, response.text
     assert len(stubs[0].received) == 2
+
+
+def test_every_request_to_an_engine_carries_the_engine_key_and_the_engines_refuse_others(make_client, stubs):
+    """Engines answer the gateway only (vLLM's VLLM_API_KEY): the gateway sends its engine key on every request,
+    streamed or not, in place of the client's API key; without it the engine's 401 is all a caller gets."""
+    for stub in stubs:
+        stub.api_key = "engine-k3y"
+    client = make_client(api_keys=["client-key"], gateway={"engine_key": "engine-k3y"})
+    auth = {"authorization": "Bearer client-key"}
+    assert client.post("/v1/completions", json={"prompt": "hi"}, headers=auth).status_code == 200
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}, headers=auth) as response:
+        assert response.status_code == 200 and list(response.iter_lines())[-2] == "data: [DONE]"
+    sent = [r.headers for stub in stubs for r in stub.received]
+    assert len(sent) == 2 and all(h["Authorization"] == "Bearer engine-k3y" for h in sent)
+    direct = httpx.post(f"{stubs[0].url}/v1/completions", json={"model": "demo", "prompt": "hi"})
+    assert direct.status_code == 401 and direct.json() == {"error": "Unauthorized"}
+    without = make_client(api_keys=["client-key"]).post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+    assert without.status_code == 401 and sum(stub.refused for stub in stubs) >= 2

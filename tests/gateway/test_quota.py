@@ -130,6 +130,42 @@ def test_update_keeps_levels_drops_removed_tenants_and_starts_new_ones_full():
     assert quotas.ratios() == [("a", TOKENS, -0.75), ("a", REQUESTS, 1.0), ("c", TOKENS, 1.0)]
 
 
+def test_a_tenant_removed_and_added_back_keeps_its_debt():
+    """Removing a tenant and adding it back by two reloads must not hand it a fresh, full bucket."""
+    clock = FakeClock()
+    quotas = Quotas([tenant("a", tokens_per_minute=60, requests_per_minute=2)], clock)
+    quotas.charge(tenant("a"), 600)  # ten minutes' worth: deep in debt
+    assert quotas.admit(tenant("a"), 1).limit == TOKENS
+    quotas.update([])
+    assert quotas.get("a") is None and quotas.ratios() == []  # gone from the metrics and the checks
+    clock.advance(30)
+    quotas.update([tenant("a", tokens_per_minute=60, requests_per_minute=2)])
+    assert quotas.get("a").tokens.level == pytest.approx(-510)  # the debt, less what 30 s refilled
+    assert quotas.admit(tenant("a"), 1).limit == TOKENS
+
+
+def test_a_limit_unset_and_set_again_keeps_its_level():
+    clock = FakeClock()
+    quotas = Quotas([tenant("a", tokens_per_minute=60)], clock)
+    quotas.charge(tenant("a"), 120)
+    quotas.update([tenant("a", requests_per_minute=5)])  # the token limit is unset...
+    quotas.update([tenant("a", tokens_per_minute=60)])  # ...and set again
+    assert quotas.get("a").tokens.level == -60
+
+
+def test_a_removed_tenant_is_forgotten_once_its_bucket_has_refilled():
+    """What is kept of removed tenants shrinks: a full bucket is what a new one would be anyway."""
+    clock = FakeClock()
+    quotas = Quotas([tenant(f"t{i}", tokens_per_minute=60) for i in range(50)], clock)
+    for i in range(50):
+        quotas.charge(tenant(f"t{i}"), 30)
+    quotas.update([])
+    assert len(quotas._idle) == 50
+    clock.advance(31)
+    quotas.update([])
+    assert quotas._idle == {}
+
+
 def test_prompt_estimate_is_positive():
     assert estimate_prompt_tokens(None) == 1
     assert estimate_prompt_tokens("") == 1

@@ -16,7 +16,7 @@ from appliance.gateway.observation.records import (
     RequestRecords,
     record_id,
 )
-from appliance.gateway.routing import Decision, RoutingRequest
+from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.router import Router
 from appliance.settings import Settings
 from tests.doubles import FakeReplica

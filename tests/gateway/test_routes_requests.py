@@ -8,7 +8,7 @@ import pytest
 
 from appliance.context import context_of
 from appliance.gateway.observation.records import AttemptRecord, MigrationRecord, RequestRecord
-from appliance.gateway.routing import Decision
+from appliance.gateway.routing.request import Decision
 
 AUTH = {"authorization": "Bearer t0ken"}
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
-from appliance.gateway.routing import RoutingRequest
 from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.prefix_index import PrefixIndex
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.routing.settings import RoutingSettings
 from tests.doubles import FakeReplica

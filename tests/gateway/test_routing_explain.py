@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from appliance.engine.load import EngineLoad
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.routing.settings import RoutingSettings
 from tests.doubles import FakeReplica

@@ -10,7 +10,7 @@ from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
 from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
 from appliance.gateway.admission.queue import Admission
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.routing.settings import RoutingSettings
 from appliance.settings import ConfigError, load_settings

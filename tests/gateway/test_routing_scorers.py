@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from appliance.engine.contract import ReplicaState
 from appliance.engine.load import EngineLoad
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Router
 from appliance.gateway.routing.scorers import (
     CacheRoomScorer,

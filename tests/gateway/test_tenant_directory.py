@@ -122,3 +122,26 @@ def test_the_api_names_the_tenant_of_the_key(make_client):
     refused = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert seen == ["team-a", "default"]
+
+
+def test_a_replaced_key_names_its_tenant_within_the_overlap_then_not():
+    """A reload that gives a tenant a new key keeps the old one for ``overlap_seconds`` (its clients move over
+    without a refused request); a removed tenant's keys are refused at once."""
+    from tests.doubles import FakeClock
+
+    clock = FakeClock()
+    directory = TenantDirectory([TenantSettings(**tenant("team-a", "old-a")),
+                                 TenantSettings(**tenant("team-b", "key-b"))], clock=clock)
+    directory.update([TenantSettings(**tenant("team-a", "new-a", priority=3))], overlap_seconds=60)
+    assert directory.identify("new-a").name == "team-a"
+    assert directory.identify("old-a") == directory.get("team-a")  # the tenant as configured now (priority 3)
+    assert directory.identify("old-a").priority == 3
+    assert directory.identify("key-b") is None  # team-b was removed: revoked, not rotated
+    clock.advance(61)
+    assert directory.identify("old-a") is None and directory.identify("new-a").name == "team-a"
+
+
+def test_without_overlap_a_replaced_key_is_refused_at_once():
+    directory = TenantDirectory([TenantSettings(**tenant("team-a", "old-a"))])
+    directory.update([TenantSettings(**tenant("team-a", "new-a"))], overlap_seconds=0)
+    assert directory.identify("old-a") is None

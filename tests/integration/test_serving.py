@@ -48,9 +48,15 @@ def test_engines_run_the_int8_kernel(appliance):
         assert "Selected CPUInt8ScaledMMLinearKernel for CompressedTensorsW8A8Int8" in log
 
 
+#: The appliance's own variables an engine may hold: the launcher's and the engine plugin's (never a setting).
+ENGINE_VARIABLES = (b"APPLIANCE_ENGINE_GRACE_", b"APPLIANCE_PARENT_", b"APPLIANCE_ENGINE_STATS_")
+
+
 def test_engines_hold_no_appliance_secret(appliance):
     """Issue 21: the launcher, vLLM's server and its engine core get an allow-listed environment: the admin token
-    the appliance was started with is nowhere in /proc/<pid>/environ (vLLM's own variables are)."""
+    the appliance was started with is nowhere in /proc/<pid>/environ, nor any setting of the appliance's (a secret,
+    a secret file's path: APPLIANCE_*); vLLM's own variables are, its key among them (VLLM_API_KEY, which it
+    requires). What the engines hold besides, secret files and the appliance's memory: test_engine_isolation.py."""
     processes = [p for i in range(appliance.replicas)
                  for p in (psutil.Process(appliance.vllm_server_pid(i)), *appliance.engine_core_processes(i))]
     processes += appliance.engine_processes()
@@ -58,6 +64,34 @@ def test_engines_hold_no_appliance_secret(appliance):
         environ = Path(f"/proc/{process.pid}/environ").read_bytes()
         assert ADMIN_TOKEN.encode() not in environ and b"APPLIANCE_ADMIN_TOKEN=" not in environ, process.cmdline()
         assert b"VLLM_CPU_KVCACHE_SPACE=" in environ or "appliance.engine.launch" not in process.cmdline()
+        names = [item.split(b"=", 1)[0] for item in environ.split(b"\0") if item]
+        settings = [n for n in names if n.startswith(b"APPLIANCE_") and not n.startswith(ENGINE_VARIABLES)]
+        assert not settings, (process.cmdline(), settings)
+    for replica in range(appliance.replicas):  # (the engine core's setproctitle overwrites its environ's view)
+        assert appliance.engine_environ(replica)["VLLM_API_KEY"], replica
+
+
+def test_engines_answer_the_gateway_only(appliance):
+    """Where the engines can be reached (another container on their network; a cluster without enforced
+    NetworkPolicies), a caller without the gateway's engine key gets 401 from each, on /v1 (vLLM's own check)
+    and on every other path but /health and /metrics (the appliance's, appliance/engine/guard.py), while the
+    same request through the gateway is served: keys, quotas and admission cannot be skipped by going direct."""
+    body = {"model": "demo", "prompt": "The class statement", "max_tokens": 4}
+    key = appliance.engine_key()
+    for replica in range(appliance.replicas):
+        engine = f"http://127.0.0.1:{appliance.engine_port(replica)}"
+        for headers in ({}, {"authorization": "Bearer not-the-key"}, {"authorization": f"Bearer {ADMIN_TOKEN}"}):
+            for path in ("/v1/completions", "/invocations", "/tokenize"):
+                refused = httpx.post(f"{engine}{path}", json=body, headers=headers, timeout=30)
+                assert refused.status_code == 401 and refused.json() == {"error": "Unauthorized"}, (path, headers)
+            assert httpx.get(f"{engine}/v1/models", headers=headers, timeout=30).status_code == 401
+        assert httpx.get(f"{engine}/health", timeout=30).status_code == 200  # the gateway's probe
+        assert httpx.get(f"{engine}/metrics", timeout=30).status_code == 200  # its load poll, Prometheus
+        direct = httpx.post(f"{engine}/v1/completions", json=body, timeout=60,
+                            headers={"authorization": f"Bearer {key}"})
+        assert direct.status_code == 200, direct.text  # the key is what opens it
+    through = httpx.post(f"{appliance.url}/v1/completions", json=body, timeout=60)
+    assert through.status_code == 200, through.text
 
 
 def test_both_replicas_serve_traffic(appliance):

@@ -58,9 +58,13 @@ def test_the_alerts_token_alone_enables_the_webhook_but_not_the_admin_api(make_a
 
 
 @pytest.mark.parametrize("api_keys", [[], [TOKENS["key"]]], ids=["open", "keys"])
-def test_without_a_metrics_token_metrics_stay_open_and_sd_targets_as_before(make_app, api_keys):
+def test_without_a_metrics_token_metrics_need_the_admin_token_once_keys_are_set(make_app, api_keys):
+    """/metrics names the tenants and their usage: open only on an appliance that is open anyway."""
     client, _replicas, _registry = make_app(admin_token=TOKENS["admin"], api_keys=api_keys)
-    assert call(client, "GET", "/metrics", None).status_code == 200
+    assert call(client, "GET", "/metrics", None).status_code == (401 if api_keys else 200)
+    assert call(client, "GET", "/metrics", TOKENS["admin"]).status_code == 200
+    if api_keys:
+        assert call(client, "GET", "/metrics", TOKENS["key"]).status_code == 401  # a client's key: no
     assert call(client, "GET", "/sd/targets", TOKENS["admin"]).status_code == 200
     assert call(client, "GET", "/sd/targets", None).status_code == (401 if api_keys else 200)
     if api_keys:

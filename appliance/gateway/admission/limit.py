@@ -7,7 +7,7 @@ limit's worth of completions so one slow burst is one cut). Settings: ``admissio
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 
 class AIMDLimit:
@@ -53,6 +53,14 @@ class ConcurrencyLimits:
     def on_sample(self, name: str, ttft_seconds: float | None, *, failed: bool) -> None:
         if self._factory is not None:
             self._get(name).on_sample(ttft_seconds, failed=failed)
+
+    def retain(self, names: Collection[str]) -> None:
+        """Forget the limits of replicas not in ``names`` (gone from the fleet): one that comes back learns anew."""
+        for name in [name for name in self._limits if name not in names]:
+            del self._limits[name]
+
+    def __len__(self) -> int:
+        return len(self._limits)
 
     def _get(self, name: str) -> AIMDLimit:
         if name not in self._limits:

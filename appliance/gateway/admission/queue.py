@@ -18,17 +18,18 @@ import itertools
 import math
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from appliance.engine.contract import Replica
 from appliance.gateway.admission.limit import ConcurrencyLimits
 from appliance.gateway.admission.slots import Lease, LeaseLedger, SlotAudit
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome, Router
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.fair_share import DISPATCH_COST, VirtualClock, share_bound
+from appliance.http.auth import revoked_error
 from appliance.http.errors import APIError
 
 
@@ -70,6 +71,7 @@ class Admission:
         self._held: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> leases held
         self._recent: dict[tuple[str, str], tuple[int, float]] = {}  # (tenant, replica) -> (peak held, last held at)
         self._tenants: dict[str, Tenant] = {}  # the latest word on each tenant's priority and weight
+        self._revoked: set[str] = set()  # tenants a reload removed: their requests are refused, not queued
         self.virtual = VirtualClock()
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
         self.ledger = LeaseLedger()
@@ -125,6 +127,8 @@ class Admission:
         """A lease on the best replica with room, waiting in the queue for one if need be. ``tenant``: whose
         request it is (its place in fair order and its share). The request joins the queue and the queue is
         served at once: it is answered now only if no waiter ahead of it in fair order could take the room."""
+        if tenant.name in self._revoked:  # authenticated before a reload removed its tenant
+            raise revoked_error()
         self._tenants[tenant.name] = tenant
         if not self._active(tenant.name):
             self.virtual.activate(tenant.name, tenant.priority, self._active_priorities())
@@ -154,6 +158,25 @@ class Admission:
         except asyncio.CancelledError:  # the client went away while queued
             self._abandon(waiter)
             raise
+
+    def revoke(self, names: Iterable[str]) -> int:
+        """Tenants a reload removed: their queued requests are answered 401 at once (a removed tenant's work is
+        not done later), and their requests still on the way are refused when they reach the queue. Returns how
+        many queued requests were ended."""
+        ended = 0
+        for name in names:
+            self._revoked.add(name)
+            for entry in self._queues.pop(name, ()):
+                if not entry.future.done():
+                    entry.future.set_exception(revoked_error())
+                    ended += 1
+        if ended:
+            self.dispatch()
+        return ended
+
+    def readmit(self, names: Iterable[str]) -> None:
+        """Tenants a reload (re)configured: no longer refused."""
+        self._revoked.difference_update(names)
 
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """``tenant`` was served ``tokens`` (the engine's usage): it moves back in fair order by tokens / weight."""
@@ -205,9 +228,23 @@ class Admission:
         self.dispatch()
 
     def on_poll(self) -> None:
-        """After each engine poll: audit the slots against the leases and the engines, then move the queue."""
+        """After each engine poll: forget replicas that are gone, audit the slots against the leases and the
+        engines, then move the queue."""
+        self.prune()
         self.audit.check()
         self.dispatch()
+
+    def prune(self) -> None:
+        """Drop the state kept per replica for replicas no longer in the fleet (on Kubernetes every new pod is a
+        new address, so without this the gateway's per-replica state grows for ever): the router's, the adaptive
+        limits, and the tenants' recent levels. Every poll, not only when the set changes: a request still
+        finishing on a replica that left brings some of it back when it ends. O(replicas) a second."""
+        live = frozenset(r.name for r in self.router.replicas())
+        self.router.prune(live)
+        self.limits.retain(live)
+        self.audit.retain(live)
+        for key in [key for key in self._recent if key[1] not in live]:
+            del self._recent[key]
 
     def dispatch(self) -> None:
         """Give free capacity to waiters in fair order, each within its exclusions and its tenant's share: a

@@ -22,7 +22,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from appliance.engine.contract import Replica
@@ -97,6 +97,11 @@ class LeaseLedger:
     def on_reclaimed(self, replica: Replica) -> None:
         self.reclaimed[replica.name] += 1
 
+    def retain(self, names: Collection[str]) -> None:
+        """Forget the counts of replicas gone from the fleet (leases still held there stay counted)."""
+        for name in [name for name in self.reclaimed if name not in names]:
+            del self.reclaimed[name]
+
 
 @dataclass
 class DriftState:
@@ -160,6 +165,13 @@ class SlotAudit:
             state.drifted = True
             log.error("%s: the gateway has %d more request(s) in flight than the engine reports running or waiting, "
                       "for %.0fs (slot drift)", name, state.surplus, now - state.since)
+
+    def retain(self, names: Collection[str]) -> None:
+        """Forget the standing of replicas gone from the fleet, and the ledger's counts of them."""
+        for table in (self.drift, self.orphans_returned):
+            for name in [name for name in table if name not in names]:
+                del table[name]
+        self.ledger.retain(names)
 
     def drifted(self, name: str) -> bool:
         state = self.drift.get(name)

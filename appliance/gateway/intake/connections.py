@@ -14,6 +14,9 @@ timer while bytes keep coming. ``GuardedHttpToolsProtocol`` is uvicorn's httptoo
   closed. 503, not 429: the cap is the gateway's capacity, not this client's rate (nginx's limit_conn answers 503
   too); load balancers move such a request to another instance. Idle connections over the cap cost a file
   descriptor each until ``header_timeout``, never memory.
+- ``max_connections_per_client``: the same, for the connections of one client address. The global cap comes
+  before authentication, so without it one client's idle keep-alive connections would take every slot and lock
+  everyone else out; with it, that client is refused and the others are not.
 - a lingering close after an answer given before its request's body ended: the answer and a FIN go out (so the
   client reads the answer rather than a reset), what still arrives is dropped unparsed, and uvicorn's keep-alive
   timer (which no longer restarts on data) closes the connection. Nothing of that body is buffered.
@@ -28,6 +31,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from http import HTTPStatus
 from typing import Any, ClassVar
 
@@ -72,13 +76,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout: ClassVar[float] = 10.0
     max_header_bytes: ClassVar[int] = 65536
     max_connections: ClassVar[int] = 1024
+    max_connections_per_client: ClassVar[int] = 256
+    # Open connections per client address, all connections of one server (``configured`` gives each its own).
+    per_client: ClassVar[Counter[str]] = Counter()
 
     @classmethod
-    def configured(cls, *, header_timeout: float, max_header_bytes: int,
-                   max_connections: int) -> type[GuardedHttpToolsProtocol]:
+    def configured(cls, *, header_timeout: float, max_header_bytes: int, max_connections: int,
+                   max_connections_per_client: int | None = None) -> type[GuardedHttpToolsProtocol]:
         """A subclass with these limits: uvicorn builds one protocol per connection from a class (``http=``)."""
+        per_client = max_connections if max_connections_per_client is None else max_connections_per_client
         return type(cls.__name__, (cls,), {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes,
-                                           "max_connections": max_connections})
+                                           "max_connections": max_connections,
+                                           "max_connections_per_client": per_client, "per_client": Counter()})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,11 +99,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_headers = False
         self._lingering = False
         self._close_after_answer = False
+        self._counted_as: str | None = None  # the client address this connection is counted under
 
     # -- headers: time and size ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.client is not None:
+            self._counted_as = str(self.client[0])
+            self.per_client[self._counted_as] += 1
         self._headers_begin()
 
     def on_message_begin(self) -> None:
@@ -142,7 +155,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
+        self._uncount()
         super().connection_lost(exc)
+
+    def _uncount(self) -> None:
+        address, self._counted_as = self._counted_as, None
+        if address is not None:
+            self.per_client[address] -= 1
+            if self.per_client[address] <= 0:
+                del self.per_client[address]
+
+    def _client_connections(self) -> int:
+        """Connections open now from this connection's client address (this one included)."""
+        return self.per_client[self._counted_as] if self._counted_as is not None else 0
 
     # -- requests: the connection cap, and headers that were complete but too large ------------------------------
 
@@ -158,6 +183,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 refused = (503, f"the gateway holds {self.max_connections} connections already "
                                 "(intake.max_connections); retry shortly", "too_many_connections",
                            {"retry-after": str(RETRY_AFTER_SECONDS)})
+            elif self._client_connections() > self.max_connections_per_client:
+                refused = (503, f"this client holds {self.max_connections_per_client} connections to the gateway "
+                                "already (intake.max_connections_per_client); reuse them, or retry shortly",
+                           "too_many_client_connections", {"retry-after": str(RETRY_AFTER_SECONDS)})
         if refused is None:
             await self._app(scope, receive, send)
             return

@@ -1,9 +1,10 @@
 """Request intake as pure ASGI middleware, the first thing every request meets. In order, before any work:
 
 1. stamps the request's arrival (latency is measured from it, so time spent in the gateway counts);
-2. checks the bearer token for /v1, /admin and /sd/targets from the headers alone (appliance/http/auth.py, the
-   same constant-time matching the routes' dependencies use): a stranger gets 401 before one byte of its body is
-   read, so it cannot make the gateway buffer anything;
+2. checks the bearer token for /v1, /admin, /metrics and /sd/targets from the headers alone
+   (appliance/http/auth.py, the same constant-time matching the routes' dependencies use): a stranger gets 401
+   before one byte of its body is read, so it cannot make the gateway buffer anything; a request with more than
+   one Authorization header gets 401 on every path, since which one a check would read is ambiguous;
 3. refuses a declared Content-Length over ``max_request_bytes`` (413);
 4. takes the body's bytes from the global body budget (``intake.body_budget_bytes``): the declared length up
    front, a chunked body as it arrives; what does not fit is 503 with Retry-After;
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.http.auth import refusal
+from appliance.http.auth import authorization_of, refusal
 from appliance.http.credentials import Credentials
 from appliance.http.errors import APIError, ErrorHook, error_response
 
@@ -147,9 +148,12 @@ class RequestIntake:
             return
         scope["appliance.arrived"] = time.monotonic()
         headers = dict(scope["headers"])
-        authorization = headers.get(b"authorization")
-        denied = refusal(self.credentials(), route_path(scope),
-                         authorization.decode("latin-1") if authorization is not None else None)
+        try:
+            authorization = authorization_of([value.decode("latin-1") for name, value in scope["headers"]
+                                              if name == b"authorization"])
+            denied = refusal(self.credentials(), route_path(scope), authorization)
+        except APIError as exc:  # more than one Authorization header
+            denied = exc
         if denied is not None:
             await self._answer(scope, receive, send, denied)
             return

@@ -26,6 +26,11 @@ class IntakeSettings(BaseModel):
         1024, ge=1, description="Open client connections the gateway serves at once; a request on a connection "
         "beyond it: 503 with Retry-After, and the connection is closed."
     )
+    max_connections_per_client: int = Field(
+        256, ge=1, description="Open connections one client address may hold at once (before authentication, like "
+        "max_connections); a request on one beyond it: 503 with Retry-After, and the connection is closed. Behind "
+        "a proxy or load balancer every client has its address: raise it to max_connections there."
+    )
     body_budget_bytes: int = Field(
         67_108_864, ge=1024, description="Request body bytes being received at once, all clients together (a "
         "body counts from its Content-Length, or as it arrives, until it has all arrived); a body that does not "

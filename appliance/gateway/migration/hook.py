@@ -36,6 +36,7 @@ from appliance.gateway.upstream.failures import (
     upstream_failure,
 )
 from appliance.gateway.upstream.hook import Attempt, Block, Break, End, RequestHook, Resolution, StreamBreak
+from appliance.gateway.upstream.labels import client_label
 from appliance.gateway.upstream.sse import split_events
 from appliance.http.errors import APIError
 
@@ -199,7 +200,7 @@ class MigratingRequest(RequestHook):
             pending.failed(self.metrics)
             if isinstance(error, APIError) and error.code == "shutting_down":  # cut while it waited
                 return Resolution(SHUTDOWN_EVENT, Outcome.ABORTED, 503)
-            return Resolution(self._error(exc, brk.reason, f"no replica could continue it ({describe(error)})"),
+            return Resolution(self._error(exc, brk.reason, f"no replica could continue it ({_for_client(error)})"),
                               Outcome.FAILURE, 502)
         self.pending = pending
         return Resolution(resumed=True)
@@ -265,7 +266,14 @@ class MigratingRequest(RequestHook):
                 detail = (await upstream.read())[:300].decode(errors="replace")
                 exchange.settle(Outcome.FAILURE if status >= 500 else Outcome.CLIENT_ERROR)
                 exchange.end_attempt(Outcome.FAILURE, f"continuation refused: HTTP {status}")
-                raise APIError(502, f"{replica.name} answered the continuation with HTTP {status}: {detail}")
+                log.warning("%s answered a continuation with HTTP %d: %s", replica.name, status, detail)
+                raise APIError(502, f"{client_label(replica.name)} answered the continuation with HTTP {status}")
             self.metrics.migration_replayed_tokens.inc(replayed)
             return
         raise AssertionError("unreachable")
+
+
+def _for_client(error: BaseException) -> str:
+    """Why a continuation could not be placed, in words a client may read: the gateway's own answer, or the kind
+    of connection failure (never its text: aiohttp's names the engine's internal address)."""
+    return error.message if isinstance(error, APIError) else type(error).__name__

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from appliance.context import Context
+from appliance.gateway.upstream.labels import client_label
 
 router = APIRouter(prefix="/health", tags=["health"])
 
@@ -36,7 +37,8 @@ async def ready(ctx: Context) -> JSONResponse:
     ignores ejection), the gateway is not draining, and admission is not wedged (every such replica full only by
     a count its engine has contradicted for admission.slot_drift_seconds: nothing could be admitted while the
     engines idle): the capacity requests can actually use. On a node pod (role node) a hung replica is no such
-    capacity either: gateway pods route to the node while it is ready."""
+    capacity either: gateway pods route to the node while it is ready. Open to anyone, like every /health route:
+    replicas are named by their client labels, never by an address."""
     router = ctx.gateway.router
     audit = ctx.gateway.admission.audit
     replicas = ctx.replicas()
@@ -57,7 +59,7 @@ async def ready(ctx: Context) -> JSONResponse:
         "status": "ready" if is_ready else "not_ready", "ready_replicas": ready_count, "routable_replicas": routable,
         "ejected_replicas": sum(1 for r in replicas if router.health_of(r.name).ejected),
         "panic": router.panic(), "draining": draining,
-        "slot_drift": sorted(r.name for r in replicas if audit.drifted(r.name)), "wedged": wedged}
+        "slot_drift": sorted(client_label(r.name) for r in replicas if audit.drifted(r.name)), "wedged": wedged}
     if node:
-        body["hung_replicas"] = hung
+        body["hung_replicas"] = [client_label(name) for name in hung]
     return JSONResponse(body, status_code=200 if is_ready else 503)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from appliance.context import AppContext, Context
-from appliance.gateway.routing import render_chat, render_completion
+from appliance.gateway.routing.request import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from appliance.http.errors import APIError
 from appliance.http.guards import require_api_key

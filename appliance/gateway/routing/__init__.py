@@ -1,8 +1,3 @@
-"""Routing as a pipeline: filters (who may take a request), then a policy (weighted scorers, or round robin)."""
-
-from appliance.gateway.routing.pipeline import DECIDERS, Policy, build_policy
-from appliance.gateway.routing.request import Decision, RoutingRequest, render_chat, render_completion
-from appliance.gateway.routing.view import RoutingView
-
-__all__ = ["DECIDERS", "Decision", "Policy", "RoutingRequest", "RoutingView", "build_policy", "render_chat",
-           "render_completion"]
+"""Routing as a pipeline: filters (who may take a request), then a policy (weighted scorers, or round robin);
+the router that runs it, ejection, and the ``routing`` settings. The package imports nothing itself, so reading
+its settings does not load the router."""

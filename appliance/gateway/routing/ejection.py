@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from appliance.gateway.routing.settings import RoutingSettings
@@ -89,6 +89,15 @@ class Ejector:
         health.ejected_until = self._clock() + period
         health.reason = reason
         log.warning("ejecting %s for %.0fs: %s", name, period, reason)
+
+    def prune(self, live: Collection[str]) -> None:
+        """Forget replicas gone from the fleet, except one whose ejection period is still running: an address
+        that leaves DNS and comes back within it stays ejected, rather than escape its penalty by flapping."""
+        now = self._clock()
+        for name in [name for name in self.health if name not in live]:
+            until = self.health[name].ejected_until
+            if until is None or until <= now:
+                del self.health[name]
 
     def due_for_probe(self) -> list[str]:
         """Ejected replicas whose period is over: they return only after a successful probe."""

@@ -95,6 +95,14 @@ class BalanceBound:
             self._recent.clear()
             self._counts.clear()
 
+    def prune(self) -> None:
+        """Drop the replicas with no decision left in the window (one gone from the fleet ages out of it)."""
+        for name in [name for name, count in self._counts.items() if count <= 0]:
+            del self._counts[name]
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
     def taken(self, name: str) -> int:
         """Decisions in the window that went to ``name``."""
         return self._counts[name]

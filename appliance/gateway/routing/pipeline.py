@@ -16,7 +16,7 @@ least used replica: without it, ties at low concurrency always went to the first
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica
@@ -39,6 +39,10 @@ class Policy(Protocol):
 
     def observe(self, replicas: Sequence[Replica]) -> None: ...
 
+    def prune(self, live: Collection[str]) -> None:
+        """Forget what is kept of replicas not in ``live`` (gone from the fleet)."""
+        ...
+
     def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
                ) -> Decision: ...
 
@@ -51,6 +55,9 @@ class RoundRobinPolicy:
         self._turn = 0
 
     def observe(self, replicas: Sequence[Replica]) -> None:
+        return None
+
+    def prune(self, live: Collection[str]) -> None:
         return None
 
     def choose(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
@@ -77,6 +84,12 @@ class WeightedPolicy:
             scorer.observe(replicas)
         if self.balance is not None:
             self.balance.observe(replicas)
+
+    def prune(self, live: Collection[str]) -> None:
+        if self.prefix is not None:
+            self.prefix.prune(live)
+        if self.balance is not None:
+            self.balance.prune()
 
     def _balanced(self, request: RoutingRequest | None) -> bool:
         """Bounded: requests the prefix scorer can match (a prompt of at least one block); others route as before."""

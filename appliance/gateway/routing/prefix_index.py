@@ -23,7 +23,7 @@ its blocks are freed and its capacity is read again from its new engine.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 HASH_BITS = 44
 _HASH_MASK = (1 << HASH_BITS) - 1
@@ -87,6 +87,15 @@ class PrefixIndex:
         if blocks is not None:
             self._size -= len(blocks)
         self._capacity.pop(replica, None)
+
+    def retain(self, live: Collection[str]) -> None:
+        """Forget every replica not in ``live`` (gone from the fleet), as ``forget`` does one."""
+        for replica in [name for name in {*self._blocks, *self._capacity} if name not in live]:
+            self.forget(replica)
+
+    def replicas(self) -> set[str]:
+        """The replicas the index keeps anything of."""
+        return {*self._blocks, *self._capacity}
 
     def matched_blocks(self, replica: str, hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt the replica's cache is believed to hold."""

@@ -22,9 +22,10 @@ from prometheus_client import CollectorRegistry
 from appliance.engine.contract import Replica
 from appliance.engine.load import EngineLoad
 from appliance.gateway.observation.metrics import PrefixIndexCollector, RoutingMetrics
-from appliance.gateway.routing import Decision, RoutingRequest, build_policy
 from appliance.gateway.routing.ejection import Ejector, ReplicaHealth
 from appliance.gateway.routing.filters import ELIGIBLE, passing, sift
+from appliance.gateway.routing.pipeline import build_policy
+from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.settings import RoutingSettings
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,20 @@ class Router:
             self.ejector.failure(replica.name)
         elif outcome is Outcome.SUCCESS:
             self.ejector.success(replica.name, ttft_seconds, (r.name for r in self.eligible()))
+
+    def prune(self, live: Collection[str]) -> None:
+        """Forget what is kept per replica for those gone from the fleet (``live``: the names in it now): engine
+        readings, progress times, ejection state, the routing policy's own (prefix index, balance window). A
+        gone replica with requests still in flight keeps its count until they end, so their release finds it."""
+        for name in [name for name in self.outstanding if name not in live and not self.outstanding[name]]:
+            del self.outstanding[name]
+        for table in (self.load, self._relayed_at):
+            for name in [name for name in table if name not in live]:
+                del table[name]
+        for name in [name for name in self._busy_since if name not in live and not self.outstanding.get(name)]:
+            del self._busy_since[name]
+        self.ejector.prune(live)
+        self.policy.prune(live)
 
     def eject(self, name: str, reason: str) -> None:
         self.ejector.eject(name, reason)

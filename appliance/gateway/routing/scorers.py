@@ -9,7 +9,7 @@ prompt's prefix was recently sent to each replica, within a bounded load.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica, ReplicaState
@@ -129,6 +129,12 @@ class PrefixScorer:
                 self._lives.pop(replica.name, None)
             else:
                 self._lives[replica.name] = life
+
+    def prune(self, live: Collection[str]) -> None:
+        """Forget replicas gone from the fleet: their blocks leave the index (its budget goes to the live ones)."""
+        for name in [name for name in self._lives if name not in live]:
+            del self._lives[name]
+        self.index.retain(live)
 
     def set_capacity(self, replica: str, kv_tokens: float | None) -> None:
         """The replica's engine caches ``kv_tokens`` tokens (None: unknown): its index holds at most that many

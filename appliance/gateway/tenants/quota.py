@@ -8,7 +8,8 @@ end. That last charge may put the bucket in debt (a long answer costs what it co
 tenant's next request wait, and ``Retry-After`` says for how long.
 
 Levels survive a configuration reload (``Quotas.update``): a tenant in debt stays in debt, a new rate only changes
-the capacity and the refill from now on.
+the capacity and the refill from now on, and a tenant (or a limit) removed and added back gets its bucket back as it
+has refilled meanwhile, never a fresh full one.
 """
 
 from __future__ import annotations
@@ -99,20 +100,31 @@ class TenantQuota:
         self._clock = clock
         self.tokens: TokenBucket | None = None
         self.requests: TokenBucket | None = None
+        self._unset: dict[str, TokenBucket] = {}  # buckets of limits a reload unset, kept while below capacity
         self.configure(tenant)
 
     def configure(self, tenant: Tenant) -> None:
         self.name = tenant.name
-        self.tokens = self._bucket(self.tokens, tenant.tokens_per_minute)
-        self.requests = self._bucket(self.requests, tenant.requests_per_minute)
+        self.tokens = self._bucket(TOKENS, self.tokens, tenant.tokens_per_minute)
+        self.requests = self._bucket(REQUESTS, self.requests, tenant.requests_per_minute)
 
-    def _bucket(self, bucket: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+    def _bucket(self, limit: str, bucket: TokenBucket | None, per_minute: int | None) -> TokenBucket | None:
+        """The limit's bucket under its new rate. A limit that is unset keeps its bucket aside while it is below
+        capacity, so setting the limit again does not forgive what was spent (a fresh bucket would start full)."""
         if per_minute is None:
+            if bucket is not None and not full(bucket):
+                self._unset[limit] = bucket
             return None
+        bucket = bucket or self._unset.pop(limit, None)
         if bucket is None:
             return TokenBucket(per_minute, self._clock)
         bucket.set_rate(per_minute)
         return bucket
+
+    def settled(self) -> bool:
+        """Every bucket it has, or kept aside, is full: a fresh quota would be the same, so it may be dropped."""
+        buckets = [b for b in (self.tokens, self.requests, *self._unset.values()) if b is not None]
+        return all(full(bucket) for bucket in buckets)
 
     def admit(self, prompt_estimate: int) -> Refusal | None:
         """Check both limits; if both allow, take one request and charge the prompt's estimate."""
@@ -133,28 +145,38 @@ class TenantQuota:
         return Refusal(self.name, limit, int(bucket.capacity), wait)
 
 
+def full(bucket: TokenBucket) -> bool:
+    return bucket.level >= bucket.capacity
+
+
 class Quotas:
     """Every tenant's buckets, by name; tenants without a quota have none (and cost nothing to check)."""
 
     def __init__(self, tenants: Iterable[Tenant] = (), clock: Clock = time.monotonic) -> None:
         self._clock = clock
         self._quotas: dict[str, TenantQuota] = {}
+        self._idle: dict[str, TenantQuota] = {}  # quotas of tenants (or limits) a reload removed, not yet refilled
         self.update(tenants)
 
     def update(self, tenants: Iterable[Tenant]) -> None:
-        """A new configuration (start, reload): rates change, levels stay; a removed tenant's or a removed limit's
-        bucket goes; a new one starts full."""
+        """A new configuration (start, reload): rates change, levels stay; a new tenant's bucket starts full.
+
+        A removed tenant's (or a removed limit's) bucket is kept aside until it has refilled, so that removing a
+        tenant and adding it back does not forgive its debt; once full it goes, as a new one would start full
+        anyway. What is kept is bounded by the tenants the configuration named, and shrinks as buckets refill."""
+        previous = {**self._idle, **self._quotas}
         quotas: dict[str, TenantQuota] = {}
         for tenant in tenants:
             if tenant.tokens_per_minute is None and tenant.requests_per_minute is None:
                 continue
-            quota = self._quotas.get(tenant.name)
+            quota = previous.pop(tenant.name, None)
             if quota is None:
                 quota = TenantQuota(tenant, self._clock)
             else:
                 quota.configure(tenant)
             quotas[tenant.name] = quota
         self._quotas = quotas
+        self._idle = {name: quota for name, quota in previous.items() if not quota.settled()}
 
     def get(self, name: str) -> TenantQuota | None:
         return self._quotas.get(name)

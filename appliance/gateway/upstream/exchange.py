@@ -19,7 +19,7 @@ from fastapi import Request
 from appliance.engine.contract import Replica
 from appliance.gateway.admission.slots import Lease
 from appliance.gateway.observation.tracing import UNTRACED, RequestTrace
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.tenants.directory import Tenant

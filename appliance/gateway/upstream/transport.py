@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import aiohttp
 from fastapi import Request
@@ -23,7 +23,7 @@ from appliance.engine.contract import Replica, ReplicaState
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.admission.slots import Lease
 from appliance.gateway.migration import ledger as migration
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.upstream.client import ClientGone, RelayedStream, unless_client_leaves
@@ -57,8 +57,11 @@ class Upstream:
 
     def __init__(self, admission: Admission, hooks: Sequence[Hook], *, timeout_seconds: float,
                  idle_timeout_seconds: float | None = None, connect_timeout_seconds: float = 5.0,
-                 max_attempts: int = 2) -> None:
+                 max_attempts: int = 2, engine_headers: Mapping[str, str] | None = None) -> None:
+        """``engine_headers``: sent to the engines on every request, after the hooks' (the engine key's
+        Authorization: engines refuse everyone else)."""
         self.admission = admission
+        self.engine_headers = dict(engine_headers or {})
         self.hooks = tuple(hooks)
         self.max_attempts = max_attempts
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds, sock_connect=connect_timeout_seconds)
@@ -221,6 +224,7 @@ class Upstream:
         if path != exchange.path:
             headers["content-type"] = "application/json"
         exchange.hooks.sending(exchange.attempt, headers)
+        headers.update(self.engine_headers)
         exchange.upstream = await self._session.post(
             exchange.replica.url + path, data=body, headers=headers,
             timeout=self._stream_timeout if exchange.stream else self._timeout)
@@ -249,7 +253,11 @@ class Upstream:
 
     @staticmethod
     def _response_headers(exchange: Exchange) -> dict[str, str]:
-        headers = {"x-appliance-replica": exchange.attempt.replica}
+        """The client's response headers: which replica answered, by a label that never shows an internal
+        address (appliance.gateway.upstream.labels), then the hooks'."""
+        from appliance.gateway.upstream.labels import client_label
+
+        headers = {"x-appliance-replica": client_label(exchange.attempt.replica)}
         exchange.hooks.responding(exchange.attempt, headers)
         return headers
 
@@ -331,15 +339,7 @@ class Upstream:
                 except (StreamBreak, *UPSTREAM_ERRORS) as exc:
                     if held := hooks.held():  # e.g. a finish held for a usage event that never came
                         yield held
-                    if upstream in self._cut:  # not the replica's fault: the gateway is shutting down
-                        outcome, status = Outcome.ABORTED, 503
-                        yield SHUTDOWN_EVENT
-                        return
-                    self._streams.discard(upstream)  # no longer relayed: a cut now ends a wait instead
-                    resolution = await hooks.broke(Break(exc, replica.name, break_reason(exc, replica),
-                                                         time.monotonic()))
-                    if resolution is None:
-                        resolution = _unresolved(exc, replica)
+                    resolution = await self._resolve(exchange, exc, upstream, replica)
                     if resolution.out:
                         yield resolution.out
                     if not resolution.resumed:
@@ -353,6 +353,16 @@ class Upstream:
             replica_ttft = None if leg_first is None else leg_first - exchange.dispatched
             exchange.settle(outcome, replica_ttft if outcome is Outcome.SUCCESS else None)
             self._finish(exchange, status, outcome, answered=True)
+
+    async def _resolve(self, exchange: Exchange, exc: BaseException, upstream: aiohttp.ClientResponse,
+                       replica: Replica) -> Resolution:
+        """A leg broke: a cut by the gateway ends the stream with the shutdown event (not the replica's fault);
+        otherwise the hooks resolve the break (a continuation elsewhere), or it ends with an error event."""
+        if upstream in self._cut:
+            return Resolution(SHUTDOWN_EVENT, Outcome.ABORTED, 503)
+        self._streams.discard(upstream)  # no longer relayed: a cut now ends a wait instead
+        brk = Break(exc, replica.name, break_reason(exc, replica), time.monotonic())
+        return await exchange.hooks.broke(brk) or _unresolved(exc, replica)
 
     def _finish(self, exchange: Exchange, status: int, outcome: Outcome, *, answered: bool = False) -> None:
         """The request is over: the hooks hear it once."""

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 
 from appliance.gateway.admission.slots import Lease
-from appliance.gateway.routing import RoutingRequest
+from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.upstream.exchange import Exchange
