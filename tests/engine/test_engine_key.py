@@ -66,7 +66,17 @@ def test_the_command_line_names_the_guard_and_never_holds_the_key() -> None:
     assert ENGINE_KEY_ENV not in engine_extra_env(Settings())
 
 
-def test_vllm_builds_its_server_with_the_guard_and_guards_only_v1_without_it(monkeypatch) -> None:
+@pytest.fixture
+def root_log_level():
+    """vLLM's build_app sets the root logger's level (to ERROR): given back after the test, or every later test
+    that reads a WARNING through caplog sees nothing."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+def test_vllm_builds_its_server_with_the_guard_and_guards_only_v1_without_it(monkeypatch, root_log_level) -> None:
     """vLLM 0.32's own app from the appliance's command line: its --api-key guards /v1 (GUARDED_PREFIX in
     vllm/entrypoints/serve/middleware/authenticate.py) but leaves /invocations, the same completions for
     SageMaker, and /tokenize open; with the guard both answer 401 too, /metrics still 200."""

@@ -30,8 +30,26 @@ class Tally:
     ok: int = 0
     failed: list[str] = field(default_factory=list)
     cut_streams: int = 0  # streams that had started and broke mid-way: allowed
-    by_replica: Counter = field(default_factory=Counter)
+    by_replica: Counter = field(default_factory=Counter)  # by the replica's name, as the gateways' records say
+    names: dict = field(default_factory=dict)  # (gateway, label a client sees) -> the replica's name
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def replica_of(client: httpx.Client, url: str, response: httpx.Response, tally: Tally) -> str:
+    """The replica that answered, by name: clients see an opaque label (x-appliance-replica), which the gateway's
+    own record of the request (x-appliance-request-id, GET /admin/requests/ID) resolves, once per label."""
+    label = response.headers["x-appliance-replica"]
+    with tally.lock:
+        name = tally.names.get((url, label))
+    if name is None:
+        record = client.get(f"{url}/admin/requests/{response.headers['x-appliance-request-id']}",
+                            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        if record.status_code != 200:  # shown in by_replica, never taken for a failed request
+            return f"unresolved label {label} (HTTP {record.status_code})"
+        name = record.json()["replica"]
+        with tally.lock:
+            tally.names[(url, label)] = name
+    return name
 
 
 def one_request(client: httpx.Client, url: str, stream: bool, tally: Tally) -> None:
@@ -42,18 +60,18 @@ def one_request(client: httpx.Client, url: str, stream: bool, tally: Tally) -> N
             with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
-                replica = response.headers.get("x-appliance-replica")
                 for line in response.iter_lines():
                     if line.startswith("data:"):
                         chunks += 1
                 if chunks == 0:
                     raise RuntimeError("stream without data")
+                replica = replica_of(client, url, response, tally)
         else:
             response = client.post(f"{url}/v1/completions", json=body)
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            replica = response.headers.get("x-appliance-replica")
             json.loads(response.text)
+            replica = replica_of(client, url, response, tally)
     except Exception as exc:  # every failure is counted and shown, none is hidden
         with tally.lock:
             if stream and chunks > 0:
