@@ -1,5 +1,5 @@
 """Hostile intake: the gateway's resident memory (RSS) under N connections without an API key, each declaring a
-~1 MB body, sending most of it, then stalling (issue 20: 150 such connections grew the gateway from 75 to 224 MiB
+~1 MB body, sending most of it, then stalling (150 such connections grew the gateway from 75 to 224 MiB
 and stayed open). Target: growth under 50 MB, every connection answered 401 or closed, the gateway still serving.
 
 Starts `appliance serve` with API keys set and an engine URL nobody listens on (no engine is needed: nothing

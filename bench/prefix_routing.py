@@ -14,7 +14,7 @@ vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), TTFT p50/p95, t
 and their ratios to today's routing, per round (a round: every conversation's next turn; round 0 can hit nothing,
 each conversation's prefix is new). Nothing is tuned to pass: the numbers are what the run measured.
 
-The churn scenario (issue 25), for each of ``--churn-policies`` in the same run: a fresh gateway, caches emptied,
+The churn scenario, for each of ``--churn-policies`` in the same run: a fresh gateway, caches emptied,
 two warm rounds, then engine 1 is stopped; once the gateway sees it unhealthy it is started again while round 3
 plays (so the round goes to engine 0 while engine 1 boots), and once it is ready again two more rounds play: their
 hit rate and request split (max over mean) are the churn numbers, next to the same policy's steady state.

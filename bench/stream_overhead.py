@@ -1,4 +1,4 @@
-"""Time to first token under many concurrent streams (issue 25): a fast stub engine answered direct, through the
+"""Time to first token under many concurrent streams: a fast stub engine answered direct, through the
 appliance's gateway, and through the peer router (vllm-router, when installed), in alternating rounds of one run.
 
 The stub is the tests' fake vLLM engine (tests/fake_engine.py) in its own process, on uvloop: vLLM's /v1/models,

@@ -1,4 +1,4 @@
-"""Fair share between tenants (issue 23): a victim tenant's TTFT while another tenant floods, FIFO vs fair share.
+"""Fair share between tenants: a victim tenant's TTFT while another tenant floods, FIFO vs fair share.
 
 One real vLLM replica (the CPU build, the demo model) and two gateways in front of it, identical but for
 ``admission.fair_share`` (the appliance's own gateway: on; a second one routing to the same engine by URL: off),

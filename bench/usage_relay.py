@@ -1,4 +1,4 @@
-"""The relay's own cost of hiding a usage event the client did not ask for (issue 23's tenant accounting asks every
+"""The relay's own cost of hiding a usage event the client did not ask for (tenant accounting asks every
 stream's engine for usage): the per-chunk work of the plain relay against the hidden-usage relay, in one run, on
 the same vLLM-shaped chunks. In-process, no network: what the gateway's CPU pays per 1,000 streamed events.
 

@@ -1,4 +1,4 @@
-"""Secrets from files (issue 21): each *_file setting fills its secret, read whenever settings are built; a secret
+"""Secrets from files: each *_file setting fills its secret, read whenever settings are built; a secret
 set both ways, or a file that cannot give one, stops the appliance at start (exit 2) naming the file, never
 printing its content."""
 

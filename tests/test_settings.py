@@ -125,7 +125,7 @@ def test_engine_log_limits_are_bounded(monkeypatch):
         load_settings()
 
 
-# -- issue 19: served name and max_model_len default as vLLM's do ------------------------------------------------
+# -- served name and max_model_len default as vLLM's do ------------------------------------------------
 
 def _checkpoint(tmp_path: Path, **config) -> Path:
     import json
@@ -191,7 +191,7 @@ def test_reload_sees_the_derived_values_unchanged(tmp_path, monkeypatch):
     assert changed_keys(settings, settings.source.load()) == []
 
 
-# -- issue 22: sections follow the package map; the earlier top-level names keep working ---------------------------
+# -- sections follow the package map; the earlier top-level names keep working ---------------------------
 
 # A valid value for each earlier key, as the environment would give it, and as the section then holds it.
 SAMPLES: dict[str, tuple[str, object]] = {

@@ -22,7 +22,7 @@ from tests.integration.harness import free_port_range
 
 REPO = Path(__file__).resolve().parents[2]
 # Set through the operator's env file (compose.yaml's env_file, APPLIANCE_ENV_FILE), not compose.yaml's own list:
-# issue 19 (they were silently dropped). Not the defaults (demo, 1024), so that the defaults cannot pass for them;
+# (they were silently dropped before). Not the defaults (demo, 1024), so that the defaults cannot pass for them;
 # the length stays within the demo model's 1024 positions and above the drain test's 1000 generated tokens.
 SERVED_MODEL_NAME = "demo-compose"
 MAX_MODEL_LEN = 1016
@@ -89,7 +89,7 @@ class ComposeStack:
     workdir: Path
     project: str = field(default_factory=lambda: f"appliance-test-{secrets.token_hex(3)}")
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
-    # One credential per role (issue 21), each a file under secrets_dir, as docs/compose.md has the operator do.
+    # One credential per role, each a file under secrets_dir, as docs/compose.md has the operator do.
     alerts_token: str = field(default_factory=lambda: secrets.token_hex(16))
     metrics_token: str = field(default_factory=lambda: secrets.token_hex(16))
     api_key: str = field(default_factory=lambda: secrets.token_hex(16))

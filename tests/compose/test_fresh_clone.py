@@ -1,5 +1,5 @@
 """`make up` on a fresh clone in a clean Debian container: the README's two claims about a fresh machine, run for
-real (issue 11).
+real.
 
 The container is the compose test's debootstrap base plus only the packages of the README's apt line (read from
 README.md, so the test fails when that line is not enough); the clone is `git clone --no-local` of HEAD, so no

@@ -92,7 +92,7 @@ def test_monitoring_is_published_on_loopback_only_and_prometheus_lifecycle_is_of
         published = compose_stack.compose("port", service, str(port)).stdout.strip()
         assert published.startswith("127.0.0.1:"), (service, published)
     gateway = compose_stack.compose("port", "appliance-cpu", "8000").stdout.strip()
-    assert gateway.startswith("127.0.0.1:"), gateway  # issue 21: a wider bind is the operator's explicit choice
+    assert gateway.startswith("127.0.0.1:"), gateway  # a wider bind is the operator's explicit choice
     reload = httpx.post(f"{compose_stack.prometheus}/-/reload", timeout=10)
     assert reload.status_code == 403 and "Lifecycle API is not enabled" in reload.text
 

@@ -1,4 +1,4 @@
-"""Fair share in admission (issue 23 item 4): priority, then weighted least-served order, a bound on a tenant's share
+"""Fair share in admission: priority, then weighted least-served order, a bound on a tenant's share
 of a replica while others want it, no queue jumping, and the per-tenant gauges.
 
 The engines are fakes: what is verified is the gateway's own queue and bookkeeping (the benchmark

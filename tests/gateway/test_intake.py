@@ -1,4 +1,4 @@
-"""Hostile input is refused before any work (issue 20): the key is checked before the body is read, a body that
+"""Hostile input is refused before any work: the key is checked before the body is read, a body that
 stalls is cut at the read timeout, bodies in flight share one byte budget, and the connection cap, the header
 timeout and the header size hold at the connection. Every refusal is OpenAI error JSON, never a 500 or a hang."""
 

@@ -1,4 +1,4 @@
-"""GET /runbooks/{alertname}: the runbooks served by the appliance itself (issue 19), so that an alert's
+"""GET /runbooks/{alertname}: the runbooks served by the appliance itself, so that an alert's
 runbook_url works where GitHub cannot be reached; only the files in the runbooks folder, nothing else."""
 
 from __future__ import annotations

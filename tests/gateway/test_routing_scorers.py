@@ -49,7 +49,7 @@ def test_stale_readings_are_unknown():
 
 
 def test_a_reading_that_contradicts_the_gateways_in_flight_count_is_unknown():
-    """vLLM's CPU build can report 0 running while a request runs (issue 12): then its KV and queue readings lag
+    """vLLM's CPU build can report 0 running while a request runs: then its KV and queue readings lag
     too, and must not steer routing."""
     router, replicas, clock = fleet(metrics_poll_seconds=1)
     assert router.try_acquire() is replicas[0]  # busy since 1000

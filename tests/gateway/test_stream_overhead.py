@@ -1,4 +1,4 @@
-"""What issue 25 changed on the gateway's path to a stream's first token (bench/stream_overhead.py measures it), where
+"""What keeps the gateway's path to a stream's first token short (bench/stream_overhead.py measures it), where
 it can be seen from outside: the relay's writes, where the routes' dependency runs, the collector's frozen heap."""
 
 from __future__ import annotations

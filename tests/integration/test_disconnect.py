@@ -14,7 +14,7 @@ generated 1,967 tokens before the aborts landed (CI). Paused, what the engine ge
 what nobody stopped: 4 x 1,000 tokens without the fix, 0 with it (measured). The API server and the gateway keep
 running, so the disconnect travels the real path: client -> gateway -> closed upstream connection -> vLLM abort.
 
-Slots (issue 20): bursts of streaming clients that all drop at once, and `appliance capacity` through the gateway
+Slots: bursts of streaming clients that all drop at once, and `appliance capacity` through the gateway
 (which stops a probe with requests still running), leave nothing counted in flight: the gateway's count returns
 to 0, no slot needed the garbage-collection backstop, and a new request is answered. Before the fix the first
 burst left the replica's whole limit counted in flight for good (every later request: 429 after the queue wait).

@@ -1,4 +1,4 @@
-"""Streams that survive an engine's death, on 2 real vLLM replicas (issue 24).
+"""Streams that survive an engine's death, on 2 real vLLM replicas.
 
 12 greedy completion streams and 12 greedy chat streams of 800 tokens each run at once; mid-way, one replica is
 struck while streams run on it: its vLLM server SIGKILLed (on the shared appliance), or a maintenance restart (the

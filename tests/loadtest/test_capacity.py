@@ -201,7 +201,7 @@ def test_metrics_reading() -> None:
 
 
 def test_the_metrics_scrape_carries_the_metrics_credential() -> None:
-    """An appliance with metrics_token set answers /metrics 401 without it (issue 21): the soak's scrapes send
+    """An appliance with metrics_token set answers /metrics 401 without it: the soak's scrapes send
     the token they are given, and count a refusal as a failed scrape."""
     from aiohttp import web
 

@@ -1,4 +1,4 @@
-"""One credential per role (issue 21): the admin token opens everything the narrower ones do; the alerts token
+"""One credential per role: the admin token opens everything the narrower ones do; the alerts token
 opens Alertmanager's webhook and nothing else; the metrics token opens /metrics and /sd/targets and nothing else.
 Checked as a matrix over every route kind and every credential, on the gateway's real app (stub engines)."""
 

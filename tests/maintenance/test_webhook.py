@@ -141,7 +141,7 @@ def test_alert_names_off_the_whitelist_share_one_series(make_app):
         assert alerts_seen(registry, "other", status, "ignored") == 100
 
 
-# -- alerts confirm, never command (issue 20) ---------------------------------------------------------------------
+# -- alerts confirm, never command ---------------------------------------------------------------------
 
 
 def test_a_hung_alert_for_a_replica_that_makes_progress_is_not_confirmed(make_app, caplog):
@@ -221,7 +221,7 @@ def test_a_fragmentation_alert_acts_only_on_the_appliances_own_memory_reading():
     assert actions(registry, "rolling_restart", "not_confirmed") == 1
 
 
-# -- one payload, bounded work (issue 20) -------------------------------------------------------------------------
+# -- one payload, bounded work -------------------------------------------------------------------------
 
 
 def test_a_payload_of_many_alerts_makes_one_record_per_action_target_and_result(make_app, caplog):

@@ -379,7 +379,7 @@ def test_docs_name_every_dashboard_and_panel() -> None:
         assert panel["title"] in text, f"{uid}: {panel['title']} is not in docs/dashboards.md"
 
 
-# --- rows, runbook links, variables, thresholds (issue 11) ---------------------------------------------------------
+# --- rows, runbook links, variables, thresholds ---------------------------------------------------------
 
 
 def test_dashboards_are_divided_into_rows_and_the_docs_name_them() -> None:

@@ -1,5 +1,5 @@
 """docs/runbooks/ true against the code: every dashboard panel a runbook names is on the dashboard it names, and
-every label it tells on-call to read from the alert survives the alert's expression (issue 19: panels named on
+every label it tells on-call to read from the alert survives the alert's expression (panels named on
 the wrong dashboard, "the alert's `pod` label" on alerts that aggregate `pod` away)."""
 
 from __future__ import annotations

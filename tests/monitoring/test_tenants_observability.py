@@ -1,4 +1,4 @@
-"""The tenants' dashboard and alerts (issue 23): the `tenant` variable filters every panel, the bounds the panels
+"""The tenants' dashboard and alerts: the `tenant` variable filters every panel, the bounds the panels
 draw are the alerts' own from alerts/config.yaml, and the alerts' knobs reach the rules."""
 
 from __future__ import annotations
