@@ -162,14 +162,20 @@ def read_answer(sock: socket.socket, timeout: float = 20.0) -> tuple[bytes, bool
         return data, False
 
 
+def one_more_connection(gateway, held: int) -> tuple[bytes, bool]:
+    """Once the gateway holds ``held`` connections, one more from this address asks for /health/live: its answer
+    and whether the gateway closed it."""
+    assert wait_until(lambda: len(gateway.server.server_state.connections) == held)
+    with socket.create_connection(("127.0.0.1", gateway.port)) as extra:
+        extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: gateway\r\n\r\n")
+        return read_answer(extra)
+
+
 def test_connections_beyond_the_cap_get_a_503_with_retry_after():
     with live(Settings(served_model_name="demo", intake={"max_connections": 2})) as gateway:
         idle = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(2)]
         try:
-            assert wait_until(lambda: len(gateway.server.server_state.connections) == 2)
-            with socket.create_connection(("127.0.0.1", gateway.port)) as extra:
-                extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: gateway\r\n\r\n")
-                answer, closed = read_answer(extra)
+            answer, closed = one_more_connection(gateway, held=2)
             assert answer.startswith(b"HTTP/1.1 503 ") and closed
             head, _, body = answer.partition(b"\r\n\r\n")
             assert b"retry-after: " in head.lower()
@@ -189,10 +195,7 @@ def test_one_client_cannot_take_every_connection():
     with live(settings) as gateway:
         idle = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(2)]
         try:
-            assert wait_until(lambda: len(gateway.server.server_state.connections) == 2)
-            with socket.create_connection(("127.0.0.1", gateway.port)) as extra:
-                extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: gateway\r\n\r\n")
-                answer, closed = read_answer(extra)
+            answer, closed = one_more_connection(gateway, held=2)
             assert answer.startswith(b"HTTP/1.1 503 ") and closed
             head, _, body = answer.partition(b"\r\n\r\n")
             assert b"retry-after: " in head.lower()

@@ -16,7 +16,7 @@ from appliance.gateway.migration.hook import MigratingRequest, Migration
 from appliance.gateway.observation.metrics import RequestMetrics
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.exchange import Exchange
-from appliance.gateway.upstream.hook import Block, Break, End
+from appliance.gateway.upstream.hook import Block, Break, End, Resolution
 from appliance.gateway.upstream.sse import SSEEvents
 from tests.gateway.upstream.support import DONE, begin, chain, chunk, exchange
 
@@ -83,16 +83,22 @@ def test_token_ids_the_client_did_not_ask_for_are_stripped_however_the_reads_cut
         assert req.ledger.sent_ids == [100, 101, 102, 103, 104, 105] and req.ledger.done
 
 
-def test_a_break_is_continued_from_the_exact_tokens_sent() -> None:
-    migration, placement, registry = hook()
+def broken_after(migration: Migration, sent: int, replica: str) -> tuple[Exchange, MigratingRequest, Resolution | None]:
+    """A migratable stream relayed from ``replica`` for ``sent`` tokens, whose connection then dropped: the
+    exchange, the hook, and the hook's answer to the break."""
     ex = exchange({"prompt": [1, 2, 3], "stream": True, "max_tokens": 10})
     req = migration.start(ex)
     assert req is not None
     chain(ex, req)
-    begin(ex, "replica-0")
-    relay(req, b"".join(stream_events(4)), [])
-    resolution = asyncio.run(req.broke(Break(aiohttp.ServerDisconnectedError(), "replica-0", "connection",
-                                             time.monotonic())))
+    begin(ex, replica)
+    relay(req, b"".join(stream_events(sent)), [])
+    brk = Break(aiohttp.ServerDisconnectedError(), replica, "connection", time.monotonic())
+    return ex, req, asyncio.run(req.broke(brk))
+
+
+def test_a_break_is_continued_from_the_exact_tokens_sent() -> None:
+    migration, placement, registry = hook()
+    ex, req, resolution = broken_after(migration, 4, "replica-0")
     assert resolution is not None and resolution.resumed
     path, body = placement.posted[0]
     assert path == "/v1/completions" and body["prompt"] == [1, 2, 3, 100, 101, 102, 103] and body["max_tokens"] == 6
@@ -145,14 +151,7 @@ def test_a_continuation_that_cannot_connect_says_so_without_the_engines_address(
 
     migration, _, _ = hook()
     migration.placement = Unreachable()
-    ex = exchange({"prompt": [1, 2, 3], "stream": True, "max_tokens": 10})
-    req = migration.start(ex)
-    assert req is not None
-    chain(ex, req)
-    begin(ex, "10.42.0.16:8100")
-    relay(req, b"".join(stream_events(2)), [])
-    resolution = asyncio.run(req.broke(Break(aiohttp.ServerDisconnectedError(), "10.42.0.16:8100", "connection",
-                                             time.monotonic())))
+    _, _, resolution = broken_after(migration, 2, "10.42.0.16:8100")
     assert resolution is not None and not resolution.resumed and resolution.status == 502
     assert b"no replica could continue it (ClientOSError)" in resolution.out
     assert b"10.42.0." not in resolution.out
