@@ -133,6 +133,7 @@ class EngineLogPump:
             self._sinks.append(_Sink(name, stream_handler))
         self._eof = threading.Event()
         self._reader: threading.Thread | None = None
+        self.lines_read = 0  # lines the engine wrote (not the appliance's own): none yet is a start that hangs
 
     @property
     def dropped(self) -> int:
@@ -168,6 +169,7 @@ class EngineLogPump:
         try:
             with pipe:
                 for raw in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
+                    self.lines_read += 1
                     line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                     for sink in self._sinks:
                         sink.offer(line)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.environment import engine_base_env
@@ -52,6 +53,7 @@ class ReplicaSpec:
     log_stdout: bool = False  # engine lines also on the appliance's stdout, prefixed with the replica's name
     health_timeout_seconds: float = HEALTH_PROBE_TIMEOUT_SECONDS  # one /health probe's answer time
     user: EngineUser | None = None  # the engine's own user (engine.user); None: the appliance's
+    start_silence_timeout_seconds: float = 120.0  # no output at all this long after the start: hung (0: off)
 
     @property
     def name(self) -> str:
@@ -255,11 +257,29 @@ class SupervisedReplica:
                 if state is ReplicaState.READY and counted >= self.HEALTH_FAILURES_UNHEALTHY:
                     log.warning("%s failed %d health checks; not routing to it", self.name, counted)
                     self.status.state = ReplicaState.UNHEALTHY
-                if state is ReplicaState.STARTING and time.monotonic() - spawned > self.spec.start_timeout_seconds:
-                    log.error("%s not healthy after %.0fs; killing it", self.name, self.spec.start_timeout_seconds)
-                    self._kill_group()
+                if state is ReplicaState.STARTING:
+                    self._end_a_hung_start(time.monotonic() - spawned)
             await self._sleep_unless_exit(0.5 if self.status.state is ReplicaState.STARTING
                                           else self.HEALTH_INTERVAL_SECONDS)
+
+    def _end_a_hung_start(self, elapsed: float) -> None:
+        """Kill a start that will not end by itself: no /health within the start timeout, or not one line of
+        output within the silence timeout (the process hangs before vLLM began: waiting for it to load a model
+        it never started on would hold a rolling restart for the whole start timeout). The supervisor then
+        starts it again, as after a crash."""
+        silence = self.spec.start_silence_timeout_seconds
+        if elapsed > self.spec.start_timeout_seconds:
+            reason = f"not healthy after {self.spec.start_timeout_seconds:.0f}s"
+        elif silence and elapsed > silence and self._pump is not None and self._pump.lines_read == 0:
+            reason = f"no output {silence:.0f}s after its start"
+        else:
+            return
+        assert self._proc is not None
+        states = describe_tree(self._proc.pid)
+        log.error("%s %s; killing it (%s)", self.name, reason, "; ".join(states))
+        if self._pump is not None:
+            self._pump.write(f"=== appliance: {reason}; killing it. Its processes: " + "; ".join(states))
+        self._kill_group()
 
     async def _sleep_unless_exit(self, seconds: float) -> None:
         """Sleep between health probes, but notice the process's exit within EXIT_POLL_SECONDS: until then the
@@ -353,3 +373,27 @@ class SupervisedReplica:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
+
+
+def describe_tree(root_pid: int) -> list[str]:
+    """Each process of an engine's tree with its state and where the kernel has it wait: what a hung start leaves
+    in the logs for whoever finds out why."""
+    try:
+        root = psutil.Process(root_pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return [f"pid {root_pid} gone"]
+    described = []
+    for process in processes:
+        try:
+            with process.oneshot():
+                command = " ".join(process.cmdline()[:4])
+                state, threads = process.status(), process.num_threads()
+        except psutil.Error:
+            continue
+        try:
+            wchan = Path(f"/proc/{process.pid}/wchan").read_text().strip() or "-"
+        except OSError:
+            wchan = "?"
+        described.append(f"pid {process.pid} {state} in {wchan}, {threads} thread(s): {command}")
+    return described

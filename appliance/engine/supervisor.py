@@ -59,6 +59,7 @@ class FleetPlan:
                     placement=placement,
                     log_path=self.state_dir / "logs" / f"engine-{index}.log",
                     start_timeout_seconds=engine.start_timeout_seconds,
+                    start_silence_timeout_seconds=engine.start_silence_timeout_seconds,
                     stop_timeout_seconds=float(engine.shutdown_timeout_seconds),
                     host=connect_host(engine.host),
                     log_max_bytes=engine.log_max_bytes,

@@ -4,6 +4,7 @@ after a stable run, giving up on a start that never turns healthy, and stopping 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -80,6 +81,36 @@ def test_a_start_that_never_turns_healthy_is_killed_and_counted_as_a_crash(tmp_p
         await wait_for(lambda: replica.status.crashes >= 1)
         assert replica.status.state in (ReplicaState.BACKOFF, ReplicaState.STARTING)
         assert not replica.routable
+        await replica.stop()
+
+    run(scenario)
+
+
+def test_a_start_that_prints_nothing_is_killed_at_the_silence_timeout_with_its_states(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        silent = spec(tmp_path)  # a start timeout of 30 s: only the silence check can end it this soon
+        silent.start_silence_timeout_seconds = 1.0
+        silent.command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        replica = SupervisedReplica(silent, backoff_initial=0.1, backoff_max=1.0)
+        replica.start(session)
+        await wait_for(lambda: replica.status.crashes >= 1, timeout=10)
+        await replica.stop()
+        logged = silent.log_path.read_text()
+        assert "no output 1s after its start; killing it" in logged
+        assert "time.sleep(60)" in logged and " in " in logged  # each process: state, wait channel, command
+
+    run(scenario)
+
+
+def test_a_start_that_prints_is_left_to_the_start_timeout(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        loading = spec(tmp_path)  # prints its banner, then loads for longer than the silence timeout
+        loading.start_silence_timeout_seconds = 0.3
+        loading.command = [sys.executable, "-u", "-c", "import time; print('banner'); time.sleep(60)"]
+        replica = SupervisedReplica(loading, backoff_initial=0.1, backoff_max=1.0)
+        replica.start(session)
+        await asyncio.sleep(2.0)
+        assert replica.status.crashes == 0 and replica.status.state is ReplicaState.STARTING
         await replica.stop()
 
     run(scenario)
