@@ -4,7 +4,8 @@
 - the admin token (operator): every /admin route, and anything a narrower credential opens;
 - the alerts token (optional): /admin/alerts only, Alertmanager's webhook, which then never holds the admin token;
 - the metrics token (optional, read-only): when set, /metrics and /sd/targets need it (Prometheus' credential);
-  /metrics needs it (or the admin token) as soon as any API key is set, metrics token or not.
+  /metrics needs it (or the admin token) as soon as any API key is set, metrics token or not;
+- the lease token (optional): /maintenance/lease only, a node pod's restart lease (the admin token opens it too).
 
 A request with more than one Authorization header is refused everywhere (401), before any check reads one. Every
 comparison is of SHA-256 digests in constant time, against every accepted value (``_matches``). A value a reload
@@ -21,11 +22,12 @@ import hmac
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from appliance.http.credentials import ADMIN, ALERTS, API_KEYS, METRICS, Credentials, digest
+from appliance.http.credentials import ADMIN, ALERTS, API_KEYS, LEASE, METRICS, Credentials, digest
 from appliance.http.errors import APIError
 
 Check = Callable[[Credentials, str | None], APIError | None]
 ALERTS_PATH = "/admin/alerts"  # Alertmanager's webhook (appliance/maintenance/routes.py)
+LEASE_PATH = "/maintenance/lease"  # a node pod's restart lease (appliance/maintenance/routes.py)
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})  # FastAPI's, as create_app mounts
 
 
@@ -134,6 +136,18 @@ def api_key_or_admin_error(credentials: Credentials, authorization: str | None) 
     return None
 
 
+def lease_error(credentials: Credentials, authorization: str | None) -> APIError | None:
+    """/maintenance/lease (a node pod's restart lease): the lease token or the admin token; off (403) without either.
+    The one credential a node pod needs from a gateway, so that it holds no admin token (docs/security.md)."""
+    if not credentials.enabled(LEASE) and not credentials.enabled(ADMIN):
+        return APIError(403, "restart leases disabled: set gateway.lease_token or gateway.admin_token",
+                        code="admin_disabled")
+    if not accepts(credentials, authorization, LEASE, ADMIN):  # digests, constant time, every value compared
+        return APIError(401, "invalid or missing lease or admin token", code="invalid_lease_token",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
 def docs_error(credentials: Credentials, _authorization: str | None) -> APIError | None:
     """/docs, /redoc, /openapi.json: served only while the API is open (no API key). ``api_docs_urls`` leaves
     them unmounted on an appliance that starts with keys; this closes them on one that started open when a
@@ -156,6 +170,8 @@ def check_for_path(path: str) -> Check | None:
         return api_key_or_admin_error
     if path == "/metrics":
         return metrics_error
+    if path.rstrip("/") == LEASE_PATH:
+        return lease_error
     if path in DOCS_PATHS:
         return docs_error
     return None

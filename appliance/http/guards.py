@@ -9,16 +9,15 @@ from fastapi import Request
 from appliance.context import app_context
 from appliance.http.auth import (
     ALERTS_PATH,
-    accepts,
     admin_error,
     alerts_error,
     api_key_error,
     api_key_or_admin_error,
     authorization_of,
     bearer,
+    lease_error,
     metrics_error,
 )
-from appliance.http.credentials import ADMIN, LEASE, Credentials
 from appliance.http.errors import APIError
 
 
@@ -52,21 +51,8 @@ async def require_admin(request: Request) -> None:
     _raise(check(app_context(request).live.credentials, _authorization(request)))
 
 
-def lease_error(credentials: Credentials, authorization: str | None) -> APIError | None:
-    """/maintenance/lease (a node pod's restart lease): the lease token or the admin token; off (403) without either.
-    The one credential a node pod needs from a gateway, so that it holds no admin token (docs/security.md)."""
-    if not credentials.enabled(LEASE) and not credentials.enabled(ADMIN):
-        return APIError(403, "restart leases disabled: set gateway.lease_token or gateway.admin_token",
-                        code="admin_disabled")
-    if not accepts(credentials, authorization, LEASE, ADMIN):  # digests, constant time, every value compared
-        return APIError(401, "invalid or missing lease or admin token", code="invalid_lease_token",
-                        headers={"WWW-Authenticate": "Bearer"})
-    return None
-
-
 async def require_lease(request: Request) -> None:
-    """The restart lease routes' dependency, and their only check: the intake's (appliance/http/auth.py) leaves
-    /maintenance/lease to it, so the body is read before the token is checked (at most max_request_bytes)."""
+    """The restart lease routes' dependency (the intake checked the same before reading the body)."""
     _raise(lease_error(app_context(request).live.credentials, _authorization(request)))
 
 
