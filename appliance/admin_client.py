@@ -125,10 +125,20 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("* ejected from routing: " + "; ".join(
             f"{r['name']}: {r['ejection_reason']}" for r in status["replicas"] if r["ejected"]))
     lines += format_replica_errors(status["replicas"])
+    lines += format_scheduling(status["replicas"])
     lines += format_tenants(status.get("tenants") or [])
     if status.get("maintenance"):
         lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
+
+
+def format_scheduling(replicas: list[dict[str, Any]]) -> list[str]:
+    """Where the tenants' priority reaches the engine's own queue: said once any engine schedules by priority (the
+    others, fcfs or not run by the appliance, get none: the gateway's fair share alone orders their requests)."""
+    policies = {r["name"]: r.get("scheduling_policy") or "unknown" for r in replicas}
+    if "priority" not in policies.values():
+        return []
+    return ["engine scheduling: " + "; ".join(f"{name} {policy}" for name, policy in policies.items())]
 
 
 TOP_TENANTS = 10

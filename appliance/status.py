@@ -67,6 +67,7 @@ class FleetStatus:
             "kv_cache_usage": load.kv_cache_usage if load else None,
             "engine_waiting": load.waiting if load else None,
             "engine_running": load.running if load else None,
+            "scheduling_policy": load.scheduling_policy if load else None,  # None: the engine did not say
             "restarts": status.restarts,
             "crashes": status.crashes,
             "spawn_failures": status.spawn_failures,

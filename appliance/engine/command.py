@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from appliance.engine.kv_events import kv_events_argv, kv_events_env
 from appliance.engine.placement import Placement
 from appliance.engine.settings import EngineSettings
 
@@ -48,14 +49,17 @@ def engine_argv(
             argv += [flag, str(value)]
     if engine.kv_cache_dtype != "auto":  # vLLM's default; k/v scales are the checkpoint's, else 1.0
         argv += ["--kv-cache-dtype", engine.kv_cache_dtype]
+    if engine.scheduling_policy != "fcfs":  # vLLM's default
+        argv += ["--scheduling-policy", engine.scheduling_policy]
     if engine.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    argv += kv_events_argv(port, engine)  # precise prefix routing (appliance/engine/kv_events.py)
     return argv + list(engine.extra_args)
 
 
 def engine_env(placement: Placement, engine: EngineSettings) -> dict[str, str]:
-    """Environment additions: device pinning and the memory budget of the KV cache."""
-    env = placement.env()
+    """Environment additions: device pinning, the memory budget of the KV cache, the block hash's seed."""
+    env = placement.env() | kv_events_env(engine)
     if placement.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
     return env

@@ -16,11 +16,12 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from appliance.engine.contract import Replica
+from appliance.engine.guard import POLICY_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class EngineLoad:
     generation_tokens_total: float | None = None
     read_at: float = -math.inf  # monotonic
     kv_capacity_tokens: float | None = None  # num_gpu_blocks x block_size (vllm:cache_config_info's labels)
+    # What the engine's guard says vLLM's scheduler runs (None: it says nothing); from the page's headers, not its
+    # series, so not a constructor argument.
+    scheduling_policy: str | None = field(default=None, init=False)
 
 
 WANTED = {
@@ -153,6 +157,8 @@ class EngineLoadPoller:
             async with self._session.get(f"{url}/metrics") as resp:
                 if resp.status != 200:
                     return None
-                return parse_engine_load(await resp.read(), time.monotonic())
+                load = parse_engine_load(await resp.read(), time.monotonic())
+                load.scheduling_policy = resp.headers.get(POLICY_HEADER.decode())
+                return load
         except (TimeoutError, aiohttp.ClientError, OSError):
             return None

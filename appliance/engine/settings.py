@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from appliance.engine.identity import EngineUser
@@ -74,6 +74,25 @@ class EngineSettings(BaseModel):
         "fp8_e5m2 halve the KV cache's bytes per token, so the same space holds twice the tokens. Without "
         "k/v scales in the checkpoint vLLM uses scale 1.0."
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM --scheduling-policy. priority: each engine runs its waiting requests in the order "
+        "the gateway gives them (the tenant's priority, then whether it is over its fair share; "
+        "docs/tenants.md), not only in arrival order; fcfs: arrival order (vLLM's default)."
+    )
+    kv_events: Literal["off", "local", "network"] = Field(
+        "off", description="KV-cache events (vLLM --kv-events-config) for the gateway's precise prefix routing "
+        "(routing.prefix_cache.mode): each replica publishes the blocks its prefix cache stores and evicts. local: "
+        "bound on 127.0.0.1, for this host's gateway; network: bound on every interface, for gateways on other "
+        "hosts (role node; the events carry the prompts' token ids: keep them on a network only the gateways "
+        "share). Also pins the block hash (sha256, PYTHONHASHSEED=random) so that the gateway computes the same."
+    )
+    kv_events_port_offset: int = Field(
+        1000, ge=1, le=30000, description="Replica i publishes its KV events on its port (base_port + i) plus this."
+    )
+    kv_events_replay_port_offset: int = Field(
+        2000, ge=1, le=30000, description="...and answers replay requests (the batches a gateway missed) on its "
+        "port plus this."
+    )
     shutdown_timeout_seconds: int = Field(
         10, ge=0, description="vLLM --shutdown-timeout: how long an engine finishes requests on SIGTERM."
     )
@@ -124,10 +143,25 @@ class EngineSettings(BaseModel):
 
     @field_validator("extra_args")
     @classmethod
-    def _no_kv_cache_dtype_in_extra_args(cls, value: list[str]) -> list[str]:
-        if any(arg.split("=", 1)[0] == "--kv-cache-dtype" for arg in value):
-            raise ValueError("set engine.kv_cache_dtype instead of passing --kv-cache-dtype in extra_args")
+    def _no_owned_flags_in_extra_args(cls, value: list[str]) -> list[str]:
+        for flag, setting in (("--kv-cache-dtype", "kv_cache_dtype"), ("--scheduling-policy", "scheduling_policy")):
+            if any(arg.split("=", 1)[0] == flag for arg in value):
+                raise ValueError(f"set engine.{setting} instead of passing {flag} in extra_args")
         return value
+
+
+    @model_validator(mode="after")
+    def _kv_events_own_their_flags(self) -> EngineSettings:
+        """With KV events on, the gateway must compute the engines' block hashes: the flags that decide them are
+        set here, not in extra_args; and the two sockets need two ports."""
+        if self.kv_events == "off":
+            return self
+        if self.kv_events_port_offset == self.kv_events_replay_port_offset:
+            raise ValueError("kv_events_port_offset and kv_events_replay_port_offset must differ")
+        for flag in ("--kv-events-config", "--prefix-caching-hash-algo"):
+            if any(arg.split("=", 1)[0] == flag for arg in self.extra_args):
+                raise ValueError(f"engine.kv_events sets {flag}: remove it from extra_args")
+        return self
 
 
 class DiscoverySettings(BaseModel):
@@ -154,6 +188,12 @@ class DiscoverySettings(BaseModel):
     )
     resolve_timeout_seconds: float = Field(
         2.0, gt=0, description="One resolution's time limit; a failed resolution keeps the last known engines."
+    )
+    kv_events: bool = Field(
+        False, description="The engines found by discovery (or listed in engine_urls) publish KV-cache events on "
+        "their port + engine.kv_events_port_offset, replay on + engine.kv_events_replay_port_offset (nodes run with "
+        "engine.kv_events network): the gateway subscribes for precise prefix routing. Off: their prefix cache is "
+        "modelled (routing.prefix_cache.mode falls back where allowed)."
     )
 
     @field_validator("nameserver")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 PromptTokens = list[StrictInt]
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")  # vLLM 0.32's validate_cache_salt (generate/base/protocol.py)
 
 
 class _Request(BaseModel):
@@ -22,6 +23,18 @@ class _Request(BaseModel):
     n: StrictInt | None = Field(None, ge=1, le=16)
     temperature: float | None = Field(None, ge=0, le=10)
     top_p: float | None = Field(None, gt=0, le=1)
+    cache_salt: StrictStr | None = Field(
+        None, min_length=1, max_length=128, description="Partitions the prefix cache within the caller's own "
+        "tenant (the gateway folds it into the tenant's salt: it never reaches another tenant's cache)."
+    )
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_as_vllm_takes_it(cls, value: str | None) -> str | None:
+        """vLLM's own rule, so that a salt the gateway folds away is refused as vLLM would refuse it."""
+        if value is not None and any(char in CACHE_SALT_FORBIDDEN for char in value):
+            raise ValueError("must not contain '@', '/', '\\' or NUL")
+        return value
 
 
 class CompletionRequest(_Request):

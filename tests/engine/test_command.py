@@ -51,6 +51,16 @@ def test_kv_cache_dtype_is_passed_under_vllms_name():
         assert argv[argv.index("--kv-cache-dtype") + 1] == dtype
 
 
+def test_the_scheduling_policy_is_passed_under_vllms_name_when_not_its_default():
+    assert "--scheduling-policy" not in engine_argv(Path("/m"), "demo", 8101, EngineSettings())  # fcfs: vLLM's own
+    argv = engine_argv(Path("/m"), "demo", 8101, EngineSettings(scheduling_policy="priority"))
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    with pytest.raises(ValueError, match="set engine.scheduling_policy instead"):
+        EngineSettings(extra_args=["--scheduling-policy=priority"])
+    with pytest.raises(ValueError):
+        EngineSettings(scheduling_policy="lottery")
+
+
 def test_kv_cache_dtype_is_validated(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineSettings(kv_cache_dtype="int8")

@@ -57,6 +57,19 @@ def test_the_guard_reads_vllms_variable_and_lets_all_through_without_one(monkeyp
     assert _app().post("/invocations").status_code == 200  # as vLLM without --api-key
 
 
+def test_the_guard_says_the_scheduling_policy_vllm_runs_on_metrics_answers() -> None:
+    """From vLLM's own configuration in its app's state (app.state.vllm_config), on /metrics only; an app without
+    it (not a vLLM server, or one not configured yet) says nothing."""
+    from types import SimpleNamespace
+
+    client = _app(key=KEY)
+    assert "x-appliance-scheduling-policy" not in client.get("/metrics").headers
+    client.app.state.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(policy="priority"))
+    assert client.get("/metrics").headers["x-appliance-scheduling-policy"] == "priority"
+    assert "x-appliance-scheduling-policy" not in client.get("/health").headers
+    assert client.post("/invocations").status_code == 401  # the door is as it was
+
+
 def test_the_command_line_names_the_guard_and_never_holds_the_key() -> None:
     argv = engine_argv(Path("/m"), "demo", 8100, EngineSettings(max_model_len=512))
     assert argv[argv.index("--middleware") + 1] == ENGINE_GUARD == "appliance.engine.guard.EngineKeyGuard"

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance.context import context_of
 from appliance.gateway.tenants.directory import Tenant
-from appliance.gateway.tenants.quota import REQUESTS, TOKENS, Quotas, TokenBucket, estimate_prompt_tokens
+from appliance.gateway.tenants.quota import REQUESTS, TOKENS, Cost, Quotas, Refusal, Reservation, TokenBucket
 from tests.doubles import FakeClock
 
 
@@ -84,36 +84,63 @@ def tenant(name: str = "team-a", **quotas) -> Tenant:
     return Tenant(name, **quotas)
 
 
-def test_admission_takes_a_request_and_charges_the_estimate():
+def cost(tokens: int, requests: int = 1) -> Cost:
+    return Cost(tokens, 0, requests)
+
+
+def test_a_reservation_takes_the_worst_case_of_both_limits_or_nothing():
     clock = FakeClock()
     quotas = Quotas([tenant(tokens_per_minute=1000, requests_per_minute=2)], clock)
-    assert quotas.admit(tenant(), 100) is None
+    assert isinstance(quotas.reserve(tenant(), cost(100)), Reservation)
     assert quotas.get("team-a").tokens.level == 900
-    assert quotas.admit(tenant(), 100) is None
-    refused = quotas.admit(tenant(), 100)  # the third request in the same instant
-    assert refused is not None and refused.limit == REQUESTS and refused.per_minute == 2
+    assert isinstance(quotas.reserve(tenant(), cost(100)), Reservation)
+    refused = quotas.reserve(tenant(), cost(100))  # the third request in the same instant
+    assert isinstance(refused, Refusal) and refused.limit == REQUESTS and refused.per_minute == 2
     assert refused.retry_after == 30  # half a minute to refill one request of two per minute
-    assert quotas.get("team-a").tokens.level == 800  # a refused request is not charged
+    assert quotas.get("team-a").tokens.level == 800  # a refused request takes nothing
     assert "team-a" in refused.message and "2 requests per minute" in refused.message
 
 
-def test_tokens_in_debt_refuse_until_paid_with_whole_seconds_at_least_one():
+def test_a_reservation_waits_until_the_bucket_holds_it_in_whole_seconds_at_least_one():
     clock = FakeClock()
     quotas = Quotas([tenant(tokens_per_minute=60)], clock)
-    assert quotas.admit(tenant(), 10) is None
-    quotas.charge(tenant(), 100)  # the engine reported far more than the estimate
-    refused = quotas.admit(tenant(), 10)
-    assert refused is not None and refused.limit == TOKENS and refused.retry_after == 50
+    held = quotas.reserve(tenant(), cost(10))
+    held.settle(100)  # the engine reported far more than the worst case estimated
+    assert quotas.get("team-a").tokens.level == -40
+    refused = quotas.reserve(tenant(), cost(10))
+    assert refused.limit == TOKENS and refused.retry_after == 50  # until 10 tokens are back
     clock.now += 49.5
-    assert quotas.admit(tenant(), 10).retry_after == 1  # rounded up, never 0
+    assert quotas.reserve(tenant(), cost(10)).retry_after == 1  # rounded up, never 0
     clock.now += 0.5
-    assert quotas.admit(tenant(), 10) is None  # out of debt: admitted (and in debt again by its estimate)
+    assert isinstance(quotas.reserve(tenant(), cost(10)), Reservation)
+
+
+def test_a_reservation_larger_than_a_minutes_worth_is_refused_for_good():
+    quotas = Quotas([tenant(tokens_per_minute=100, requests_per_minute=4)], FakeClock())
+    refused = quotas.reserve(tenant(), cost(101))
+    assert refused.never and refused.limit == TOKENS and refused.needed == 101
+    assert "lower max_tokens or n" in refused.message
+    assert quotas.reserve(tenant(), cost(1, requests=5)).never
+    assert quotas.get("team-a").tokens.level == 100
+
+
+def test_settle_and_refund_count_once():
+    quotas = Quotas([tenant(tokens_per_minute=100, requests_per_minute=10)], FakeClock())
+    held = quotas.reserve(tenant(), cost(50, requests=3))
+    held.settle(20)
+    held.settle(20)
+    held.refund()  # settled already: nothing more
+    assert quotas.get("team-a").tokens.level == 80 and quotas.get("team-a").requests.level == 7
+    other = quotas.reserve(tenant(), cost(50, requests=3))
+    other.refund()
+    other.refund()
+    assert quotas.get("team-a").tokens.level == 80 and quotas.get("team-a").requests.level == 7
 
 
 def test_tenants_without_quota_are_never_refused():
     quotas = Quotas([tenant("free")], FakeClock())
     for _ in range(1000):
-        assert quotas.admit(tenant("free"), 10_000) is None
+        assert quotas.reserve(tenant("free"), cost(10_000)) is None
     assert quotas.ratios() == []
 
 
@@ -121,7 +148,7 @@ def test_update_keeps_levels_drops_removed_tenants_and_starts_new_ones_full():
     clock = FakeClock()
     quotas = Quotas([tenant("a", tokens_per_minute=100), tenant("b", requests_per_minute=10)], clock)
     quotas.charge(tenant("a"), 250)  # a is in debt
-    quotas.admit(tenant("b"), 1)
+    quotas.reserve(tenant("b"), cost(1))
     quotas.update([tenant("a", tokens_per_minute=200, requests_per_minute=5), tenant("c", tokens_per_minute=50)])
     assert quotas.get("a").tokens.level == -150 and quotas.get("a").tokens.capacity == 200
     assert quotas.get("a").requests.level == 5  # a new limit starts full
@@ -130,18 +157,27 @@ def test_update_keeps_levels_drops_removed_tenants_and_starts_new_ones_full():
     assert quotas.ratios() == [("a", TOKENS, -0.75), ("a", REQUESTS, 1.0), ("c", TOKENS, 1.0)]
 
 
+def test_a_reservation_settles_into_its_bucket_across_a_reload():
+    clock = FakeClock()
+    quotas = Quotas([tenant("a", tokens_per_minute=100)], clock)
+    held = quotas.reserve(tenant("a"), cost(80))
+    quotas.update([tenant("a", tokens_per_minute=200)])  # a new rate: same bucket, same level
+    held.settle(30)
+    assert quotas.get("a").tokens.level == 70
+
+
 def test_a_tenant_removed_and_added_back_keeps_its_debt():
     """Removing a tenant and adding it back by two reloads must not hand it a fresh, full bucket."""
     clock = FakeClock()
     quotas = Quotas([tenant("a", tokens_per_minute=60, requests_per_minute=2)], clock)
     quotas.charge(tenant("a"), 600)  # ten minutes' worth: deep in debt
-    assert quotas.admit(tenant("a"), 1).limit == TOKENS
+    assert quotas.reserve(tenant("a"), cost(1)).limit == TOKENS
     quotas.update([])
     assert quotas.get("a") is None and quotas.ratios() == []  # gone from the metrics and the checks
     clock.advance(30)
     quotas.update([tenant("a", tokens_per_minute=60, requests_per_minute=2)])
     assert quotas.get("a").tokens.level == pytest.approx(-510)  # the debt, less what 30 s refilled
-    assert quotas.admit(tenant("a"), 1).limit == TOKENS
+    assert quotas.reserve(tenant("a"), cost(1)).limit == TOKENS
 
 
 def test_a_limit_unset_and_set_again_keeps_its_level():
@@ -166,10 +202,63 @@ def test_a_removed_tenant_is_forgotten_once_its_bucket_has_refilled():
     assert quotas._idle == {}
 
 
-def test_prompt_estimate_is_positive():
-    assert estimate_prompt_tokens(None) == 1
-    assert estimate_prompt_tokens("") == 1
-    assert estimate_prompt_tokens("x" * 400) == 100
+# -- the reservation storm ------------------------------------------------------------------------------------------
+
+STORM_CASES = 200
+STORM_SEED = 20260611
+
+
+def test_a_storm_of_reservations_returns_the_bucket_to_its_baseline():
+    """Seeded storm: per case, requests reserve their worst case in a random order, and each then ends in one of
+    the ways a request ends (settled to its usage, usage above the worst case, refunded: it reached no engine,
+    abandoned: settled and refunded again, settled twice), interleaved at random, the clock standing still so that
+    nothing refills. Invariants, after every step: the level is the baseline less what is reserved now and what
+    the ended requests used (nothing charged twice, nothing forgotten), and never above the capacity; a refusal
+    takes nothing. After all ended and the clock ran a minute, the bucket is back at its baseline."""
+    import random
+
+    rng = random.Random(STORM_SEED)
+    for case in range(STORM_CASES):
+        clock = FakeClock()
+        capacity = rng.choice([500, 2_000, 20_000])
+        quotas = Quotas([tenant(tokens_per_minute=capacity, requests_per_minute=rng.choice([10, 100]))], clock)
+        bucket, requests = quotas.get("team-a").tokens, quotas.get("team-a").requests
+        baseline = bucket.level
+        open_: list[tuple[Reservation, int]] = []
+        used = requests_taken = 0.0
+        for _step in range(rng.randint(5, 60)):
+            if open_ and rng.random() < 0.5:
+                held, reserved = open_.pop(rng.randrange(len(open_)))
+                how = rng.choice(["settle", "over", "refund", "abandon", "twice"])
+                if how == "refund":
+                    held.refund()
+                    requests_taken -= held.requests
+                else:
+                    spent = rng.randint(0, reserved) if how != "over" else reserved + rng.randint(1, 50)
+                    held.settle(spent)
+                    if how == "abandon":
+                        held.refund()  # the end that came second changes nothing
+                    elif how == "twice":
+                        held.settle(rng.randint(0, reserved))
+                    used += spent
+            else:
+                wanted = Cost(rng.randint(1, 50), rng.randint(0, capacity // 4), rng.randint(1, 4))
+                before = (bucket.level, requests.level)
+                held = quotas.reserve(tenant(), wanted)
+                if isinstance(held, Reservation):
+                    open_.append((held, wanted.tokens))
+                    requests_taken += wanted.requests
+                else:
+                    assert (bucket.level, requests.level) == before, case  # a refusal takes nothing
+            outstanding = sum(reserved for _, reserved in open_)
+            assert bucket.level == pytest.approx(baseline - outstanding - used), case
+            assert bucket.level <= bucket.capacity and requests.level <= requests.capacity
+            assert requests.level == pytest.approx(requests.capacity - requests_taken), case
+        for held, _reserved in open_:
+            held.refund()
+        assert bucket.level == pytest.approx(baseline - used), case  # only what was used stays charged
+        clock.advance(60 + used * 60 / capacity)
+        assert bucket.level == baseline and requests.level == requests.capacity, case
 
 
 # -- the gateway's answer --------------------------------------------------------------------------------------------

@@ -3,10 +3,11 @@ way vLLM 0.32 does where it matters here (compact JSON events, a final usage eve
 ``system_fingerprint`` on the finishing chunk without it and on the usage event with it; here events split across
 reads). Real engines: tests/integration/test_tenants.py.
 
-- A stream whose client did not ask for usage is sent to the engine asking for it; the client's bytes are exactly
-  those the engine sends a client that did not ask (on the plain relay and on the migratable one).
-- A client that asked keeps its usage, and its request goes out as it sent it.
-- Each tenant's counters are what the engines reported, continued streams included.
+- A stream is sent to the engine asking for its final and its running usage; the client's bytes are exactly those
+  the engine sends a client that asked for what it asked (on the plain relay and on the migratable one).
+- A client that asked keeps its usage, and a request that asked for all of it goes out as it sent it.
+- Each tenant's counters are what the engines reported, continued streams included (the broken leg's running
+  usage, the continuation's report).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.tenants.accounting import TenantAccounting
-from appliance.gateway.tenants.usage import HiddenUsage, Usage, ask_for_usage, final_usage
+from appliance.gateway.tenants.usage import HiddenUsage, Usage, final_usage, strip_running_usage, usage_options
 from appliance.gateway.upstream.sse import DONE, SSEEvents
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
@@ -80,7 +81,7 @@ def test_usage_is_asked_for_and_hidden_client_bytes_as_without(engine, route, mi
         answer = client.post(path, content=json.dumps(body), headers=A)
         assert answer.status_code == 200
         sent = engine.received[-1].body
-        assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+        assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         expected = direct(engine, path, body)  # what the engine sends a client that did not ask for usage
         assert b'"usage"' not in expected and FINGERPRINT.encode() in expected
         assert answer.content == expected
@@ -91,17 +92,23 @@ def test_usage_is_asked_for_and_hidden_client_bytes_as_without(engine, route, mi
         assert tokens(client, "team-b", "prompt") == 0  # every tenant's series from the start
 
 
+@pytest.mark.parametrize("running", [False, True], ids=["final", "final-and-running"])
 @pytest.mark.parametrize("migration_limit", [0, 1], ids=["plain-relay", "migratable"])
 @pytest.mark.parametrize("route", ["completions", "chat"])
-def test_a_client_that_asked_for_usage_keeps_it(engine, route, migration_limit):
+def test_a_client_that_asked_for_usage_keeps_it(engine, route, migration_limit, running):
     path, body = BODIES[route]
-    body = {**body, "stream_options": {"include_usage": True}}
+    body = {**body, "stream_options": {"include_usage": True, **({"continuous_usage_stats": True} if running else {})}}
     with gateway(engine, migration_limit) as client:
         answer = client.post(path, content=json.dumps(body), headers=B)
         assert answer.status_code == 200
-        if migration_limit == 0:
-            assert engine.received[-1].raw == json.dumps(body).encode()  # the client's bytes, untouched
+        if migration_limit == 0 and running:  # the client's bytes, untouched but for its tenant's cache salt
+            raw = engine.received[-1].raw
+            assert raw.startswith(json.dumps(body).encode()[:-1]) and raw.endswith(b'"}')
+            assert {k: v for k, v in json.loads(raw).items() if k != "cache_salt"} == body
+        elif migration_limit == 0:
+            assert engine.received[-1].body["stream_options"]["continuous_usage_stats"] is True
         assert answer.content == direct(engine, path, body)
+        assert (b'"usage":{"prompt_tokens"' in answer.content.split(b"\n\n")[1]) is running
         usage = engine.usage(body)
         assert tokens(client, "team-b", "prompt") == usage["prompt_tokens"]
         assert tokens(client, "team-b", "completion") == usage["completion_tokens"]
@@ -134,12 +141,13 @@ def test_counters_are_the_sum_of_what_the_engine_reported_per_tenant(engine):
         top = summary[0]
         assert top["prompt_tokens"] == expected[top["tenant"]].prompt
         assert set(top) == {"tenant", "requests", "prompt_tokens", "completion_tokens", "cached_prompt_tokens",
-                            "rate_limited"}
+                            "estimated_tokens", "rate_limited"}
 
 
 def test_a_continued_stream_counts_what_each_engine_reported():
-    """The first leg broke before its usage: not counted. The continuation's engine reports its own prompt (the
-    original prompt plus the tokens already sent, prefilled again) and the rest of the answer: counted."""
+    """The first leg broke before its final usage: its running usage counts (its prompt, the 3 tokens it made).
+    The continuation's engine reports its own prompt (the original prompt plus the tokens already sent, prefilled
+    again) and the rest of the answer: counted too. Together, what both engines counted."""
     failures = [Failure(after=3)]
     engines = [FakeEngine(failures=failures).start() for _ in range(2)]
     try:
@@ -158,10 +166,13 @@ def test_a_continued_stream_counts_what_each_engine_reported():
             assert len(legs) == 2
             continuation = next(b for b in legs if isinstance(b["prompt"], list))
             assert continuation["stream_options"]["include_usage"] is True
+            prompts = len(tokenize("The import system")) + len(continuation["prompt"])
             assert registry.get_sample_value("appliance_tenant_tokens_total",
-                                             {"tenant": "team-a", "kind": "prompt"}) == len(continuation["prompt"])
+                                             {"tenant": "team-a", "kind": "prompt"}) == prompts
             assert registry.get_sample_value("appliance_tenant_tokens_total",
-                                             {"tenant": "team-a", "kind": "completion"}) == 8 - 3
+                                             {"tenant": "team-a", "kind": "completion"}) == 8
+            assert sum(e.prompt_tokens_total for e in engines) == prompts
+            assert sum(e.generation_tokens_total for e in engines) == 8
             assert len(continuation["prompt"]) == len(tokenize("The import system")) + 3
     finally:
         for e in engines:
@@ -170,14 +181,26 @@ def test_a_continued_stream_counts_what_each_engine_reported():
 
 # -- the pieces -------------------------------------------------------------------------------------------------------
 
-def test_ask_for_usage_keeps_other_stream_options_and_leaves_a_client_that_asked():
-    body = b'{"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": true}}'
-    asked = ask_for_usage(body, json.loads(body))
-    assert json.loads(asked)["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
-    assert ask_for_usage(b'{"stream_options":{"include_usage":true}}', {"stream_options": {"include_usage": True}}) \
-        is None
-    assert json.loads(ask_for_usage(b"{}", {})) == {"stream_options": {"include_usage": True,
-                                                                      "continuous_usage_stats": False}}
+def test_usage_options_ask_for_all_usage_and_hide_what_the_client_did_not_ask_for():
+    plan = usage_options({"continuous_usage_stats": True, "other": 1})  # running usage without include_usage: none
+    assert plan.options == {"continuous_usage_stats": True, "other": 1, "include_usage": True}
+    assert plan.hide_final and plan.strip_running
+    plan = usage_options({"include_usage": True})
+    assert plan.options == {"include_usage": True, "continuous_usage_stats": True}
+    assert not plan.hide_final and plan.strip_running
+    assert usage_options(None).hide_final
+    assert usage_options({"include_usage": True, "continuous_usage_stats": True}) is None  # nothing to change
+
+
+def test_running_usage_is_stripped_from_content_chunks_only():
+    chunk = (b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"}}],"usage":{"prompt_tokens":3,'
+             b'"total_tokens":4,"completion_tokens":1,"completion_tokens_details":{"reasoning_tokens":0}},'
+             b'"prompt_token_ids":null}\n\n')
+    final = b'data: {"id":"a","choices":[],"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
+    assert strip_running_usage(chunk + final) == (b'data: {"id":"a","choices":[{"index":0,"delta":{"content":"x"}}],'
+                                                  b'"prompt_token_ids":null}\n\n' + final)
+    text = b'data: {"choices":[{"index":0,"text":"a,\\"usage\\":{}"}]}\n\n'  # the words in generated text
+    assert strip_running_usage(text) == text
 
 
 def test_hidden_usage_moves_the_fingerprint_and_drops_only_the_usage_event():

@@ -1,5 +1,6 @@
-"""Tenants on a real vLLM engine: each tenant's token counters are exactly what the engine reported, and a spent
-quota is a 429 with Retry-After.
+"""Tenants on a real vLLM engine: each tenant's token counters are exactly what the engine reported, a spent
+quota is a 429 with Retry-After, each tenant's prefix cache is its own (the gateway's cache salt), and the tenants'
+priority reaches vLLM's scheduler (``engine.scheduling_policy: priority``).
 
 A mixed run by two tenants (completions and chat; streams with and without ``stream_options.include_usage``, and
 non-streaming requests): each tenant's prompt / completion / cached-prompt counters equal the sum of the usage the
@@ -9,12 +10,15 @@ The streams whose clients did not ask for usage are counted from the usage the g
 clients see no usage event, and what they cost is known (the same prompt as a request that reported it;
 ``ignore_eos`` makes the completion exactly ``max_tokens``).
 
-Its own one-replica appliance (``serve``), so no other test's traffic reaches the engine during the run.
+Its own one-replica appliance (``serve``), so no other test's traffic reaches the engine during the run. The engine
+runs 2 sequences at once and the gateway sends it up to 8 (the admission limit pinned above ``max_num_seqs``), so
+requests wait in vLLM's own queue, where the priority test needs them; the other tests do not depend on either.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -26,9 +30,14 @@ from tests.integration.harness import ApplianceProcess, serving
 pytestmark = pytest.mark.engine
 
 METRICS_TOKEN = "tenants-metrics"
+ADMIN_TOKEN = "tenants-admin"
 TENANTS = [{"name": "team-a", "api_keys": ["key-a"]},
            {"name": "team-b", "api_keys": ["key-b"], "weight": 2},
-           {"name": "team-q", "api_keys": ["key-q"], "requests_per_minute": 1}]
+           {"name": "team-q", "api_keys": ["key-q"], "requests_per_minute": 1},
+           {"name": "team-hi", "api_keys": ["key-hi"], "priority": 9}]
+ENGINE_ENV = {"APPLIANCE_ENGINE__SCHEDULING_POLICY": "priority", "APPLIANCE_ENGINE__MAX_NUM_SEQS": "2",
+              "APPLIANCE_ADMISSION__INITIAL_LIMIT": "8", "APPLIANCE_ADMISSION__MIN_LIMIT": "8",
+              "APPLIANCE_ADMISSION__MAX_LIMIT": "8"}
 # Long enough (several KV blocks) that the requests after the first of each prompt reuse its prefix cache, so the
 # cached-prompt counters move too.
 PROMPTS = {"completions": "The import system of Python finds modules, loads them and binds them. " * 24,
@@ -38,7 +47,8 @@ PROMPTS = {"completions": "The import system of Python finds modules, loads them
 @pytest.fixture(scope="module")
 def single(demo_model_int8, tmp_path_factory):
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("tenants"), replicas=1,
-                           env={"APPLIANCE_TENANTS": json.dumps(TENANTS), "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN})
+                           env={"APPLIANCE_TENANTS": json.dumps(TENANTS), "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN,
+                                "APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN, **ENGINE_ENV})
     with serving(app) as running:
         yield running
 
@@ -158,3 +168,74 @@ def test_a_spent_quota_is_a_429_with_retry_after(single):
     assert ratio[(("limit", "requests"), ("tenant", "team-q"))] < 0.5
     # the other tenants are not limited
     assert request(app, "key-a", "completions", stream=False, usage=True, max_tokens=2)[0] is not None
+
+
+def cached_tokens(app: ApplianceProcess, key: str, prompt: str) -> int:
+    response = httpx.post(f"{app.url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=120,
+                          json={"model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prompt_cached_by_one_tenant_is_not_cached_for_another(single):
+    """The probe cache salting closes: tenant A's prompt is in the engine's prefix cache for A (a second request
+    finds it), tenant B sending the very same prompt finds nothing cached, even with A's own salt as its
+    ``cache_salt``, and A still finds its own."""
+    app = single
+    prompt = "A system prompt that only team-a ever sends, with its customer's name in it. " * 20
+    assert cached_tokens(app, "key-a", prompt) == 0
+    assert cached_tokens(app, "key-a", prompt) > 0
+    assert cached_tokens(app, "key-b", prompt) == 0
+    assert cached_tokens(app, "key-b", prompt) > 0  # B's own cache, now
+    assert cached_tokens(app, "key-a", prompt) > 0
+
+
+def flood_then_high(app: ApplianceProcess) -> tuple[list[dict], dict]:
+    """6 long streams of team-a, then (a second later) a short one of team-hi; the gateway's records of them."""
+
+    def stream(name: str, key: str, max_tokens: int) -> None:
+        body = {"model": "demo", "prompt": f"Request {name}: tell a long story.", "max_tokens": max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{app.url}/v1/completions", json=body, timeout=300,
+                          headers={"authorization": f"Bearer {key}"}) as response:
+            assert response.status_code == 200
+            assert response.read().endswith(b"data: [DONE]\n\n")
+
+    with ThreadPoolExecutor(7) as pool:
+        flood = [pool.submit(stream, f"a{i}", "key-a", 960) for i in range(6)]
+        time.sleep(1.0)
+        high = pool.submit(stream, "hi", "key-hi", 4)
+        for future in (*flood, high):
+            future.result()
+
+    def records(tenant: str, count: int) -> list[dict]:
+        answer = httpx.get(f"{app.url}/admin/requests", params={"tenant": tenant, "limit": count}, timeout=30,
+                           headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+        return answer.json()["requests"]
+
+    return records("team-a", 6), records("team-hi", 1)[0]
+
+
+def test_the_tenants_priority_reaches_vllms_scheduler(single):
+    """team-a sends 6 long streams: the gateway (limit 8) dispatches all of them, the engine runs 2 and queues 4
+    in its own queue. Then team-hi (priority 9) sends a short one. With priority scheduling vLLM runs it as soon as
+    one of the first two ends, ahead of the 4 waiting: at most those 2 of team-a's end before it; first come
+    first served, it would run after all 4 waiting ones. Times are the gateway's own (its request records: when
+    each was dispatched, when it ended), so a test process starved of CPU on a busy host reads them right; a wave
+    of 2 lasts seconds. Should the host be so slow that team-hi's request was not dispatched while all 6 were at
+    the engine (the precondition), the scenario runs again."""
+    app = single
+    policy = samples(f"{app.url}/metrics", "appliance_replica_scheduling_policy")
+    assert policy[(("policy", "priority"), ("replica", "replica-0"))] == 1, policy
+    for _ in range(3):
+        flood, high = flood_then_high(app)
+        dispatched = high["arrived_at"] + high["attempts"][0]["started_after_seconds"]
+        ends = sorted(r["arrived_at"] + r["e2e_seconds"] for r in flood)
+        if all(r["arrived_at"] + r["attempts"][0]["started_after_seconds"] < dispatched for r in flood) and \
+                ends[0] > dispatched:
+            break
+    else:
+        pytest.fail(f"team-hi's request never reached the engine while team-a's 6 were there: {flood}, {high}")
+    before = sum(1 for end in ends if end < high["arrived_at"] + high["e2e_seconds"])
+    print(f"team-a streams that ended before team-hi's: {before} of 6 (first come first served: 6)")
+    assert before <= 2, (flood, high)

@@ -58,13 +58,18 @@ class Admission:
 
     def __init__(self, router: Router, limits: ConcurrencyLimits, *, max_queue: int,
                  queue_timeout_seconds: float, drift_seconds: float = 30.0, fair_share: bool = True,
-                 share_window_seconds: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 share_window_seconds: float = 2.0, idle_headroom: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``idle_headroom``: the share of each replica's limit background work (``acquire_idle``) leaves free."""
         self.router = router
         self.limits = limits
         self.max_queue = max_queue
         self.queue_timeout_seconds = queue_timeout_seconds
         self.fair_share = fair_share
         self.share_window_seconds = share_window_seconds
+        self.idle_headroom = idle_headroom
+        # Called when a request has to wait in the queue: background work gives its slots back (appliance.batch).
+        self.on_wait: Callable[[], None] | None = None
         self._clock = clock
         self._queues: dict[str, deque[_Waiter]] = {}  # per tenant, oldest first
         self._seq = itertools.count()
@@ -106,6 +111,16 @@ class Admission:
             return limit
         return share_bound(limit, tenant.name, tenant.weight, self._rivals(tenant.name, replica, self._queued()))
 
+    def over_share(self, tenant: Tenant) -> bool:
+        """Whether ``tenant`` has been served more than its fair share: its virtual time (served tokens / weight) is
+        ahead of the least served active tenant of its priority by more than one dispatch (the request being
+        dispatched is not held against it). Never with fair share off, nor for a tenant alone at its priority."""
+        if not self.fair_share:
+            return False
+        peers = [self.virtual.of(name) for name, level in self._active_priorities().items()
+                 if level == tenant.priority and name != tenant.name]
+        return bool(peers) and self.virtual.of(tenant.name) - DISPATCH_COST / tenant.weight > min(peers) + 1e-9
+
     def _queued(self) -> dict[str, int]:
         return {name: self.tenant_queued(name) for name in self._queues}
 
@@ -145,6 +160,8 @@ class Admission:
             self._withdraw(entry)
             self.rejected["queue_full"] += 1
             raise self._overloaded("gateway queue is full")
+        if self.on_wait is not None:
+            self.on_wait()
         waiter = entry.future
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that arrives as the
@@ -158,6 +175,34 @@ class Admission:
         except asyncio.CancelledError:  # the client went away while queued
             self._abandon(waiter)
             raise
+
+    # -- background work (batch lines): idle capacity only --------------------------------------------------------
+
+    def idle_room(self) -> int:
+        """Slots background work may take now: none while any request waits in the queue; else, over the replicas
+        a request could go to, the room below each one's idle ceiling (its limit less ``idle_headroom`` of it, kept
+        for interactive requests)."""
+        if self.queue_length:
+            return 0
+        return sum(max(0, self._idle_ceiling(r.name) - self.router.in_flight(r.name)) for r in self.router.eligible())
+
+    def acquire_idle(self, exclude: frozenset[str], request: RoutingRequest | None, *,
+                     tenant: Tenant = DEFAULT_TENANT) -> Lease:
+        """A lease for background work on idle capacity only (``idle_room``), never queued and never ahead of a
+        waiter: where there is none, 429 ``no_idle_capacity`` at once (the batch runner tries again later)."""
+        if tenant.name in self._revoked:
+            raise revoked_error()
+        if not self.queue_length:
+            full = frozenset(r.name for r in self.router.replicas()
+                             if self.router.in_flight(r.name) >= self._idle_ceiling(r.name))
+            lease = self.try_lease(exclude | full, request, tenant=tenant)
+            if lease is not None:
+                return lease
+        raise APIError(429, "no idle capacity for background work now", code="no_idle_capacity",
+                       headers={"Retry-After": "1"})
+
+    def _idle_ceiling(self, replica: str) -> int:
+        return math.ceil(self.limit_of(replica) * (1 - self.idle_headroom))
 
     def revoke(self, names: Iterable[str]) -> int:
         """Tenants a reload removed: their queued requests are answered 401 at once (a removed tenant's work is

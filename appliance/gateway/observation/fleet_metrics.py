@@ -16,6 +16,9 @@ from appliance.engine.contract import Replica, ReplicaState
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.routing.router import Router
 
+UNKNOWN_POLICY = "unknown"
+SCHEDULING_POLICIES = ("priority", "fcfs", UNKNOWN_POLICY)  # appliance_replica_scheduling_policy's ``policy``
+
 
 class FleetCollector(Collector):
     """Replica and admission state, read from the live objects at scrape time."""
@@ -41,6 +44,11 @@ class FleetCollector(Collector):
                                     labels=["replica"])
         ejections = CounterMetricFamily("appliance_replica_ejections", "Outlier ejections of each replica.",
                                         labels=["replica"])
+        policy = GaugeMetricFamily("appliance_replica_scheduling_policy", "1 for the scheduling policy each "
+                                   "replica's engine reported (priority: it takes the tenants' priority from the "
+                                   "gateway; fcfs; unknown: an engine the appliance does not run, which gets no "
+                                   "priority).", labels=["replica", "policy"])
+        loads = self._router.loads()
         for replica in replicas:
             current = replica.status.state
             for candidate in ReplicaState:
@@ -50,7 +58,11 @@ class FleetCollector(Collector):
             health = self._router.health_of(replica.name)
             ejected.add_metric([replica.name], 1.0 if health.ejected else 0.0)
             ejections.add_metric([replica.name], health.ejections)
-        yield from (state, outstanding, limit, ejected, ejections)
+            load = loads.get(replica.name)
+            reported = (load.scheduling_policy if load is not None else None) or UNKNOWN_POLICY
+            for named in SCHEDULING_POLICIES:
+                policy.add_metric([replica.name, named], 1.0 if reported == named else 0.0)
+        yield from (state, outstanding, limit, ejected, ejections, policy)
         yield GaugeMetricFamily("appliance_routing_panic",
                                 "1 while too many replicas are ejected and routing ignores ejection "
                                 "(routing.eject_panic_threshold).", value=1.0 if self._router.panic() else 0.0)

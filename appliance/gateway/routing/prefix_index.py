@@ -33,13 +33,15 @@ _HASH_MASK = (1 << HASH_BITS) - 1
 ENTRY_BYTES = 152
 
 
-def block_hashes(text: str, block_chars: int) -> list[int]:
+def block_hashes(text: str, block_chars: int, salt: str = "") -> list[int]:
     """Chained hashes of each full block of ``text``: element i covers ``text[: (i + 1) * block_chars]``.
 
+    ``salt`` starts the chain, as vLLM's ``cache_salt`` enters its first block's hash: the same prompt under two
+    salts shares no block, in the engine's cache and so in this index (the gateway salts each tenant's prompts).
     Python's ``hash`` of ``str`` is salted per process, which is fine: the index lives and dies with the process.
     """
     hashes = []
-    previous = 0
+    previous = hash(salt) & _HASH_MASK if salt else 0
     for end in range(block_chars, len(text) + 1, block_chars):
         previous = hash((previous, text[end - block_chars:end])) & _HASH_MASK
         hashes.append(previous)

@@ -6,11 +6,13 @@ Tokens are what the engines reported in their ``usage`` (``prompt_tokens``, ``co
 ask the engine for usage even when the client did not, and hide that usage from the client (``ask_for_usage``,
 ``HiddenUsage``).
 
-A usage the engine never reported is simply not counted, though the engine did (part of) the work: a client that
-left before the end (the engine aborts the request), an engine that died mid-answer. A stream continued on another
-replica counts what the continuation's engine reports: its prompt (the original prompt plus the tokens already
-sent, prefilled again) and the rest of the answer; the broken leg reported nothing. Only then do the tenants'
-counters fall short of the engines' own.
+Streams ask for the running usage too (``continuous_usage_stats``, hidden likewise), so a stream that never gets
+its final usage event (its client left, its engine broke off) counts the last running usage its engine sent, as
+``prompt`` and ``completion``. A stream continued on another replica counts every leg: the broken one's running
+usage and the continuation's report (its prompt is the original prompt plus the tokens already sent, prefilled
+again). What no engine reported but the tenant is charged for (the tokens an engine made after a leaving client's
+last chunk, the reservation of a non-streaming request that was left or timed out: ``tenants.metering``) counts as
+``estimated``, never in the other two.
 
 Labels come from the configuration only (the tenant's name; fixed ``kind``, ``limit`` and the HTTP status), never
 from anything a client sends; every configured tenant's series exist from the start: 0 is an answer.
@@ -30,7 +32,7 @@ from appliance.gateway.observation.metrics import LATENCY_BUCKETS, buckets_with
 from appliance.gateway.tenants.quota import LIMITS
 from appliance.gateway.tenants.usage import Usage
 
-KINDS = ("prompt", "completion", "cached_prompt")  # appliance_tenant_tokens_total's ``kind``
+KINDS = ("prompt", "completion", "cached_prompt", "estimated")  # appliance_tenant_tokens_total's ``kind``
 STARTING_CODES = ("200", "429")  # requests series created for every tenant up front (others appear when seen)
 
 
@@ -42,6 +44,7 @@ class _Tally:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    estimated_tokens: int = 0
     rate_limited: int = 0
 
 
@@ -55,7 +58,8 @@ class TenantAccounting:
                                 "status.", ["tenant", "code"], registry=registry)
         self.tokens = Counter("appliance_tenant_tokens", "Tokens the engines reported in their usage, by tenant and "
                               "kind (prompt, completion, cached_prompt: prompt tokens served from the prefix "
-                              "cache).", ["tenant", "kind"], registry=registry)
+                              "cache; estimated: tokens charged that no engine reported).", ["tenant", "kind"],
+                              registry=registry)
         self.ttft = Histogram("appliance_tenant_ttft_seconds", "Time to first token as the client sees it "
                               "(streamed requests), by tenant.", ["tenant"],
                               buckets=buckets_with(LATENCY_BUCKETS, [slo_ttft_seconds]), registry=registry)
@@ -102,15 +106,22 @@ class TenantAccounting:
         tally.completion_tokens += usage.completion
         tally.cached_prompt_tokens += usage.cached_prompt
 
+    def estimated(self, tenant: str, tokens: int) -> None:
+        """Tokens charged to ``tenant`` that no engine reported (the gateway's estimate of work it did)."""
+        if tokens > 0:
+            self.tokens.labels(tenant, "estimated").inc(tokens)
+            self._tally(tenant).estimated_tokens += tokens
+
     def limited(self, tenant: str, limit: str) -> None:
         self.rate_limited.labels(tenant, limit).inc()
         self._tally(tenant).rate_limited += 1
 
     def summary(self) -> list[dict[str, Any]]:
-        """Each tenant's totals since start, the heaviest (prompt + completion tokens) first."""
+        """Each tenant's totals since start, the heaviest (prompt + completion + estimated tokens) first."""
         rows = [{"tenant": name, **{f.name: getattr(tally, f.name) for f in fields(_Tally)}}
                 for name, tally in self._tallies.items()]
-        rows.sort(key=lambda row: (-(row["prompt_tokens"] + row["completion_tokens"]), row["tenant"]))
+        rows.sort(key=lambda row: (-(row["prompt_tokens"] + row["completion_tokens"] + row["estimated_tokens"]),
+                                   row["tenant"]))
         return rows
 
 

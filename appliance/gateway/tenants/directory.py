@@ -21,6 +21,7 @@ class Tenant:
     weight: float = 1.0
     tokens_per_minute: int | None = None
     requests_per_minute: int | None = None
+    cache_group: str | None = None  # tenants of one group share a prefix cache (tenants/isolation.py)
 
 
 DEFAULT = Tenant(DEFAULT_TENANT)
@@ -72,7 +73,7 @@ class TenantDirectory:
             keys += [(_digest(key), DEFAULT) for key in flat]
         for entry in configured:
             tenant = Tenant(entry.name, entry.priority, entry.weight, entry.tokens_per_minute,
-                            entry.requests_per_minute)
+                            entry.requests_per_minute, entry.cache_group)
             by_name[tenant.name] = tenant
             keys += [(_digest(key), tenant) for key in entry.api_keys]
         self._retired = self._still_retired(keys, by_name, overlap_seconds)

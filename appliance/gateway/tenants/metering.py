@@ -1,11 +1,22 @@
-"""Tenant metering as a hook around a request's life: the quota check before it queues, charges while it streams,
-the engines' usage asked for and hidden, and the tenant's answer and usage counted at the end.
+"""Tenant metering as a hook around a request's life: the quota's reservation before it queues, the engines' usage
+asked for and hidden, and the tenant's answer and usage counted, and its reservation settled, at the end.
 
-The tenant's quotas are checked before the request queues (429 ``rate_limit_exceeded`` with Retry-After); the
-prompt's estimate is charged then, and a stream's completion tokens one per event as they are relayed, so a long
-stream spends its quota while it runs. At the end the engines' usage (every leg of a continued stream) corrects the
-quota's and fair share's charges. A stream whose client did not ask for usage asks the engine for it anyway, and
-the relay hides that event, so the client's bytes are those it would have had.
+The tenant's quotas reserve the request's worst case before it queues (``quota.Reservation``; 400 when it could
+never fit, 429 with Retry-After when it does not fit now). Streams ask the engine for usage on every chunk and at
+the end (``usage.usage_options``) and the relay hides what the client did not ask for, so the client's bytes are
+those it would have had. At the end, what the request used is settled:
+
+- the engines' final usage, every leg of a continued stream;
+- a leg that ended without one (its client left, its engine broke off, a continuation took over): the last
+  running usage the engine sent, and, when the client left, the tokens the engine made between the last chunk the
+  gateway read and the abort (``tail_tokens``: the leg's own rate over that gap);
+- a non-streaming request that reached an engine but got no answer because its client left or it timed out: the
+  engine's progress cannot be seen, so its whole reservation (docs/tenants.md says why);
+- a request that never reached an engine: nothing, and its reservation goes back whole.
+
+Engine-reported tokens count as ``prompt`` / ``completion``; the gateway's estimates (the tail, a non-streaming
+request's reservation, the prompt of a stream left before its first chunk) as ``estimated``. The quota is settled
+to their sum, fair share is charged the same.
 """
 
 from __future__ import annotations
@@ -13,106 +24,180 @@ from __future__ import annotations
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
-from appliance.gateway.tenants.quota import Quotas, estimate_prompt_tokens
-from appliance.gateway.tenants.usage import USAGE, HiddenUsage, ask_for_usage, body_usage, events_usage, final_usage
+from appliance.gateway.tenants.cost import request_cost
+from appliance.gateway.tenants.quota import Cost, Quotas, Refusal, Reservation
+from appliance.gateway.tenants.usage import (
+    FINAL_USAGE,
+    HiddenUsage,
+    RunningUsage,
+    Usage,
+    UsagePlan,
+    body_usage,
+    events_usage,
+    final_usage,
+    strip_running_usage,
+    usage_options,
+)
 from appliance.gateway.upstream.exchange import Exchange
-from appliance.gateway.upstream.hook import Block, End, RequestHook
+from appliance.gateway.upstream.hook import Attempt, Block, End, RequestHook
 from appliance.gateway.upstream.sse import split_events
 from appliance.http.errors import APIError
 
+CLIENT_GONE = 499  # the transport's status for a client that left
+UNSEEN_STATUSES = (CLIENT_GONE, 504)  # a non-streaming answer whose progress the gateway never saw: left, timed out
+
 
 class Metering:
-    """The hook: built once with the tenants' accounting, quotas and the admission queue's fair share."""
+    """The hook: built once with the tenants' accounting, quotas and the admission queue's fair share, and the
+    model's context length (the worst case of a request without ``max_tokens``)."""
 
     name = "metering"
 
-    def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: Admission) -> None:
+    def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: Admission,
+                 max_model_len: int | None = None) -> None:
         self.accounting = accounting
         self.quotas = quotas
         self.admission = admission
+        self.max_model_len = max_model_len
 
     def start(self, exchange: Exchange) -> MeteredRequest:
-        hidden = _ask_for_usage(exchange) if exchange.stream else None
-        return MeteredRequest(self, exchange, hidden)
+        body = exchange.parsed()
+        cost = request_cost(exchange.route, body, exchange.routing.prompt, self.max_model_len)
+        plan = usage_options(body.get("stream_options")) if exchange.stream and body is not None else None
+        if plan is not None:
+            exchange.override("stream_options", plan.options)
+        return MeteredRequest(self, exchange, cost, plan)
 
 
-def _ask_for_usage(exchange: Exchange) -> HiddenUsage | None:
-    """A stream whose client did not ask for usage asks the engine for it (accounting counts what the engine
-    reports); the relay then hides it from the client."""
-    body = exchange.parsed()
-    if body is None:
-        return None
-    asked = ask_for_usage(exchange.body, body)
-    if asked is None:
-        return None
-    exchange.body = asked
-    return HiddenUsage()
+def tail_tokens(running: RunningUsage, closed_at: float, room: int) -> int:
+    """What an engine generated of a stream after the last chunk the gateway read, until the connection closed
+    and the engine aborted it: the leg's own rate over that gap (tokens the relay had not read yet: in the
+    socket's buffers while the client was slow to take them), never more than the ``room`` its reservation had
+    left. (vLLM aborts a request within a step of its connection closing: measured on a real engine, under 0.2
+    tokens a stream beyond what the gateway had read, so no step is added.)"""
+    if not running.seen or running.last_at is None:
+        return 0
+    rate = running.rate() or 0.0
+    gap = max(0.0, closed_at - running.last_at)
+    return max(0, min(room, round(rate * gap)))
 
 
 class MeteredRequest(RequestHook):
     """One request's metering."""
 
-    __slots__ = ("meter", "exchange", "hidden", "charged", "first", "frames")
+    __slots__ = ("meter", "exchange", "cost", "plan", "hidden", "reservation", "running", "legs", "first",
+                 "frames")
 
-    def __init__(self, meter: Metering, exchange: Exchange, hidden: HiddenUsage | None) -> None:
+    def __init__(self, meter: Metering, exchange: Exchange, cost: Cost, plan: UsagePlan | None) -> None:
         self.meter = meter
         self.exchange = exchange
-        self.hidden = hidden  # the usage event the gateway asked for and the client did not
-        self.charged = 0  # tokens charged to the tenant's quota so far (estimate, then one per streamed event)
+        self.cost = cost  # the worst case: what the quota reserves
+        self.plan = plan  # the usage the gateway asked the engine for and the client did not (streams)
+        self.hidden = HiddenUsage() if plan is not None and plan.hide_final else None
+        self.reservation: Reservation | None = None
+        self.running: RunningUsage | None = RunningUsage(cost.requests) if exchange.stream else None
+        self.legs = Usage()  # running usage of legs that ended without a final report
         self.first: float | None = None  # when the first event was relayed
-        self.frames = exchange.stream  # reading the usage event, and hiding it, needs whole events
+        self.frames = exchange.stream  # reading the usage events, and hiding them, needs whole events
+
+    # -- decisions ------------------------------------------------------------------------------------------------
 
     def arrived(self) -> None:
-        """The tenant's quotas, before the request queues: a 429 with Retry-After when spent; else one request
-        taken and the prompt's estimate charged (the engine's usage corrects it at the end)."""
+        """The tenant's quotas, before the request queues: its worst case reserved, or refused."""
         tenant = self.exchange.tenant
-        estimate = estimate_prompt_tokens(self.exchange.routing.prompt or None)
-        refusal = self.meter.quotas.admit(tenant, estimate)
-        if refusal is None:
-            self.charged = estimate
+        held = self.meter.quotas.reserve(tenant, self.cost)
+        if not isinstance(held, Refusal):
+            self.reservation = held
             return
-        self.meter.accounting.limited(tenant.name, refusal.limit)
-        raise APIError(429, refusal.message, code="rate_limit_exceeded",
-                       headers={"Retry-After": str(refusal.retry_after)})
+        if held.never:
+            raise APIError(400, held.message, param="max_tokens" if held.limit == "tokens" else "n",
+                           code="exceeds_quota")
+        self.meter.accounting.limited(tenant.name, held.limit)
+        raise APIError(429, held.message, code="rate_limit_exceeded", headers={"Retry-After": str(held.retry_after)})
 
     def queued(self, seconds: float) -> None:
         self.meter.accounting.queue_wait.labels(self.exchange.tenant.name).observe(seconds)
 
+    def admitted(self, attempt: Attempt) -> None:
+        """A new leg begins: the last one's running usage, if it never reported, is what it used."""
+        self._close_leg()
+
+    def finished(self, end: End) -> None:
+        """The tenant's answer and usage; the reservation settled to what was used (refunded whole when no
+        engine was reached); fair share charged the same."""
+        meter, exchange, tenant = self.meter, self.exchange, self.exchange.tenant
+        meter.accounting.answered(tenant.name, end.status)
+        if end.outcome is Outcome.SUCCESS and self.first is not None and exchange.stream:
+            meter.accounting.ttft.labels(tenant.name).observe(self.first - exchange.arrived)
+        if not exchange.attempts and exchange.usage is None:  # refused, queued out: no engine did anything
+            if self.reservation is not None:
+                self.reservation.refund()
+            return
+        estimated = self._unreported(end)
+        self._close_leg()
+        reported = (exchange.usage or Usage()) + self.legs
+        if reported.total or reported.cached_prompt:
+            meter.accounting.used(tenant.name, reported)
+        if estimated:
+            meter.accounting.estimated(tenant.name, estimated)
+        used = reported.total + estimated
+        if self.reservation is not None:
+            self.reservation.settle(used)
+        if used:
+            meter.admission.charge(tenant, used)
+
+    def _close_leg(self) -> None:
+        running = self.running
+        if running is not None and running.seen:
+            self.legs = self.legs + running.usage(self._n())
+            self.running = RunningUsage(self.cost.requests)
+
+    def _unreported(self, end: End) -> int:
+        """The gateway's estimate of work no engine reported (0: nothing to add)."""
+        exchange = self.exchange
+        if not exchange.stream:
+            unseen = exchange.usage is None and end.status in UNSEEN_STATUSES
+            return self.cost.tokens if unseen else 0
+        if end.status != CLIENT_GONE:
+            return 0
+        running = self.running
+        if running is None or not running.seen:
+            return 0 if self.legs.total or exchange.usage is not None else self.cost.prompt
+        done = (exchange.usage or Usage()).completion + self.legs.completion + running.usage(self._n()).completion
+        return tail_tokens(running, end.at, max(0, self.cost.completion - done))
+
+    def _n(self) -> int:
+        body = self.exchange.parsed()
+        n = body.get("n") if body is not None else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+    # -- relay ----------------------------------------------------------------------------------------------------
+
     def relayed(self, block: Block) -> None:
-        if block.events:  # completion tokens as they stream, one per event
-            if self.first is None:
-                self.first = block.at
-            self.meter.quotas.charge(self.exchange.tenant, block.events)
-            self.charged += block.events
+        if block.events and self.first is None:
+            self.first = block.at
         if not self.exchange.stream:
             usage = body_usage(block.raw) if block.usage is None else block.usage
             block.usage = usage
             self.exchange.reported(usage)
             return
-        if USAGE in block.raw:
-            for event in split_events(block.raw):
+        raw = block.raw
+        if FINAL_USAGE in raw:
+            for event in split_events(raw):
                 if (final := final_usage(event)) is not None:
                     self.exchange.reported(final["usage"])  # as the engine reported it, every leg
+                    self.running = RunningUsage(self.cost.requests)  # this leg is accounted for
+                    raw = b""
+        if raw and self.running is not None:
+            self.running.feed(raw, block.at)
+        if self.plan is None:
+            return
+        if self.plan.strip_running:
+            block.out = strip_running_usage(block.out)
         if self.hidden is not None:
-            if USAGE in block.out and block.usage is None:
+            if FINAL_USAGE in block.out and block.usage is None:
                 block.usage = events_usage(block.out)  # what the client's answer states, before it is hidden
             block.out = self.hidden.feed(block.out)
 
     def held(self) -> bytes:
         return b"" if self.hidden is None else self.hidden.flush()
-
-    def finished(self, end: End) -> None:
-        """The tenant's answer and usage; its quota and fair-share charges corrected to what the engines
-        reported (a usage never reported leaves the charges as they were: the estimate and the events
-        streamed)."""
-        meter, tenant, usage = self.meter, self.exchange.tenant, self.exchange.usage
-        meter.accounting.answered(tenant.name, end.status)
-        if end.outcome is Outcome.SUCCESS and self.first is not None and self.exchange.stream:
-            meter.accounting.ttft.labels(tenant.name).observe(self.first - self.exchange.arrived)
-        if usage is None:
-            return
-        meter.accounting.used(tenant.name, usage)
-        meter.quotas.charge(tenant, usage.total - self.charged)
-        self.charged = usage.total
-        meter.admission.charge(tenant, usage.total)
-

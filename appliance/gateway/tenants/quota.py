@@ -1,15 +1,22 @@
-"""Quotas: each tenant's ``tokens_per_minute`` and ``requests_per_minute`` as token buckets.
+"""Quotas: each tenant's ``tokens_per_minute`` and ``requests_per_minute`` as token buckets, and the reservation
+each request holds in them while it runs.
 
 A bucket holds one minute's worth (its capacity) and refills continuously at capacity / 60 per second. A request
-is checked before admission (before it queues): the requests bucket must hold one whole request, which it takes;
-the tokens bucket must not be in debt. The tokens bucket is then charged as the request goes: an estimate of the
-prompt on admission, one token per streamed content event, and the difference to the engine's own usage at the
-end. That last charge may put the bucket in debt (a long answer costs what it cost): the debt is what makes the
-tenant's next request wait, and ``Retry-After`` says for how long.
+reserves its worst case before it queues (``Quotas.reserve``): the tokens it may use at most (its prompt's
+estimate plus ``max_tokens`` x ``n`` for every prompt: ``tenants.cost``) and one request per sequence it asks for
+(prompts x ``n``). It is admitted only if both buckets hold that much now; one that could never fit (more than a
+minute's worth) is refused for good (400), one that does not fit now waits (429 with ``Retry-After``: the whole
+seconds until the buckets hold it). So a tenant can never have more work in flight than its quota, whatever its
+clients do with their answers. When the request ends, its reservation is settled to what it used (``settle``):
+the rest goes back, or, when the engine reported more than the worst case the gateway estimated (a prompt longer
+than its estimate, a stream continued on another replica that prefilled it again), the difference is charged and
+may put the bucket in debt, which the tenant's next request waits out. A request that never reached an engine is
+refunded whole, its requests too (``refund``). Settling or refunding twice does nothing: a reservation is
+settled once.
 
 Levels survive a configuration reload (``Quotas.update``): a tenant in debt stays in debt, a new rate only changes
 the capacity and the refill from now on, and a tenant (or a limit) removed and added back gets its bucket back as it
-has refilled meanwhile, never a fresh full one.
+has refilled meanwhile, never a fresh full one. A reservation settles into the bucket it was taken from.
 """
 
 from __future__ import annotations
@@ -79,18 +86,75 @@ class TokenBucket:
 
 @dataclass(frozen=True)
 class Refusal:
-    """A request refused by a quota: which limit, the tenant's rate, and whole seconds until it can serve."""
+    """A request refused by a quota: which limit, the tenant's rate, and whole seconds until it can serve;
+    ``needed``: what the request reserves of that limit; ``never``: more than the bucket can ever hold (waiting
+    does not help: the request must ask for less)."""
 
     tenant: str
     limit: str  # TOKENS or REQUESTS
     per_minute: int
     retry_after: int
+    needed: int = 1
+    never: bool = False
 
     @property
     def message(self) -> str:
         what = "tokens" if self.limit == TOKENS else "requests"
+        if self.never:
+            asks = ("may use up to {} tokens (its prompt and max_tokens x n for each prompt; without max_tokens, the "
+                    "model's context less the prompt)" if self.limit == TOKENS else "counts as {} requests (prompts "
+                    "x n)").format(self.needed)
+            fix = "lower max_tokens or n" if self.limit == TOKENS else "send fewer prompts or a lower n"
+            return (f"this request {asks}, more than tenant {self.tenant}'s quota of {self.per_minute} {what} per "
+                    f"minute can ever hold; {fix}")
         return (f"tenant {self.tenant} is over its quota of {self.per_minute} {what} per minute; retry in "
                 f"{self.retry_after} s")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a request may use at most: its prompt tokens (estimated), its completion tokens (max_tokens x n per
+    prompt), and the sequences it asks for (prompts x n), each counted by ``requests_per_minute``."""
+
+    prompt: int
+    completion: int
+    requests: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.completion
+
+
+class Reservation:
+    """A request's hold on its tenant's buckets, from admission to its end: settled once, to what it used."""
+
+    __slots__ = ("tokens", "requests", "_tokens_bucket", "_requests_bucket", "done")
+
+    def __init__(self, tokens: float, requests: int, tokens_bucket: TokenBucket | None,
+                 requests_bucket: TokenBucket | None) -> None:
+        self.tokens = tokens if tokens_bucket is not None else 0.0  # what was taken
+        self.requests = requests if requests_bucket is not None else 0
+        self._tokens_bucket = tokens_bucket
+        self._requests_bucket = requests_bucket
+        self.done = False
+
+    def settle(self, used: float) -> None:
+        """The request is over and used ``used`` tokens: the rest of the reservation goes back, or the excess is
+        charged (debt allowed). The requests taken stay taken. Only the first call counts."""
+        if self.done:
+            return
+        self.done = True
+        if self._tokens_bucket is not None:
+            self._tokens_bucket.charge(max(0.0, used) - self.tokens)
+
+    def refund(self) -> None:
+        """The request never reached an engine: everything taken goes back. Only the first settle or refund
+        counts."""
+        if self.done:
+            return
+        self.settle(0)
+        if self._requests_bucket is not None:
+            self._requests_bucket.charge(-self.requests)
 
 
 class TenantQuota:
@@ -126,15 +190,21 @@ class TenantQuota:
         buckets = [b for b in (self.tokens, self.requests, *self._unset.values()) if b is not None]
         return all(full(bucket) for bucket in buckets)
 
-    def admit(self, prompt_estimate: int) -> Refusal | None:
-        """Check both limits; if both allow, take one request and charge the prompt's estimate."""
-        if self.tokens is not None and self.tokens.level < 0:
-            return self._refusal(TOKENS, self.tokens, 0.0)
-        if self.requests is not None and not self.requests.take(1):
-            return self._refusal(REQUESTS, self.requests, 1.0)
+    def reserve(self, cost: Cost) -> Reservation | Refusal:
+        """Both limits hold the request's worst case now: take it (a reservation). Else the first limit that does
+        not: for good (``never``) when it exceeds the bucket's capacity, else until the bucket holds it."""
+        for limit, bucket, needed in ((TOKENS, self.tokens, cost.tokens), (REQUESTS, self.requests, cost.requests)):
+            if bucket is None:
+                continue
+            if needed > bucket.capacity:
+                return Refusal(self.name, limit, int(bucket.capacity), 0, needed, never=True)
+            if bucket.level < needed:
+                return self._refusal(limit, bucket, needed)
         if self.tokens is not None:
-            self.tokens.charge(prompt_estimate)
-        return None
+            self.tokens.charge(cost.tokens)
+        if self.requests is not None:
+            self.requests.charge(cost.requests)
+        return Reservation(cost.tokens, cost.requests, self.tokens, self.requests)
 
     def charge(self, tokens: float) -> None:
         if self.tokens is not None and tokens:
@@ -142,7 +212,7 @@ class TenantQuota:
 
     def _refusal(self, limit: str, bucket: TokenBucket, needed: float) -> Refusal:
         wait = max(1, math.ceil(bucket.seconds_until(needed)))
-        return Refusal(self.name, limit, int(bucket.capacity), wait)
+        return Refusal(self.name, limit, int(bucket.capacity), wait, math.ceil(needed))
 
 
 def full(bucket: TokenBucket) -> bool:
@@ -181,9 +251,10 @@ class Quotas:
     def get(self, name: str) -> TenantQuota | None:
         return self._quotas.get(name)
 
-    def admit(self, tenant: Tenant, prompt_estimate: int) -> Refusal | None:
+    def reserve(self, tenant: Tenant, cost: Cost) -> Reservation | Refusal | None:
+        """The tenant's reservation for a request of ``cost`` (None: the tenant has no quota), or its refusal."""
         quota = self._quotas.get(tenant.name)
-        return None if quota is None else quota.admit(prompt_estimate)
+        return None if quota is None else quota.reserve(cost)
 
     def charge(self, tenant: Tenant, tokens: float) -> None:
         quota = self._quotas.get(tenant.name)
@@ -199,11 +270,3 @@ class Quotas:
                 if bucket is not None:
                     out.append((name, limit, bucket.level / bucket.capacity))
         return out
-
-
-def estimate_prompt_tokens(prompt: str | None) -> int:
-    """A prompt's tokens before the engine counts them: about four characters a token (English text with a BPE
-    tokenizer); the engine's usage corrects it when the request ends."""
-    if not prompt:
-        return 1
-    return max(1, math.ceil(len(prompt) / 4))

@@ -32,10 +32,13 @@ class TenantSettings(BaseModel):
     )
     tokens_per_minute: int | None = Field(
         None, ge=1, description="Prompt plus completion tokens per minute (a token bucket holding one minute's "
-        "worth); beyond it: 429 rate_limit_exceeded with Retry-After. Unset: unlimited."
+        "worth). Each request reserves its worst case (its prompt, max_tokens x n per prompt) and is settled to "
+        "its usage at the end; one that does not fit now: 429 rate_limit_exceeded with Retry-After; one that can "
+        "never fit: 400 exceeds_quota. Unset: unlimited."
     )
     requests_per_minute: int | None = Field(
-        None, ge=1, description="Requests per minute (a bucket holding one minute's worth); unset: unlimited."
+        None, ge=1, description="Sequences per minute (a bucket holding one minute's worth): a request counts "
+        "prompts x n. Unset: unlimited."
     )
     priority: int = Field(
         0, ge=0, le=9, description="Queue order between tenants: a waiting request of a higher priority goes "
@@ -44,6 +47,11 @@ class TenantSettings(BaseModel):
     weight: float = Field(
         1.0, gt=0, le=1000, description="Share among tenants of one priority: a tenant of weight 2 is served twice "
         "the tokens of a tenant of weight 1 while both wait."
+    )
+    cache_group: str | None = Field(
+        None, pattern=NAME_PATTERN, description="Tenants naming the same group share one prefix cache on the "
+        "engines (their common prompts are computed once; each can tell, from cached_tokens, what the others sent). "
+        "Unset: the tenant's cache is its own."
     )
 
     @field_validator("api_keys_file", mode="before")

@@ -21,7 +21,9 @@ THROTTLED, TTFT_BURN = "ApplianceTenantThrottled", "ApplianceTenantTTFTBurn"
 REQUESTS, TOKENS = "appliance_tenant_requests_total", "appliance_tenant_tokens_total"
 TTFT, QUEUE_WAIT = "appliance_tenant_ttft_seconds", "appliance_tenant_queue_wait_seconds"
 RATE_LIMITED = "appliance_tenant_rate_limited_total"
-SERVED = 'kind=~"prompt|completion"'  # cached_prompt is a part of prompt: never add it to the other two
+# What a tenant is charged: the engines' reports and the gateway's estimate of work none reported (cached_prompt is a
+# part of prompt: never add it to the others).
+SERVED = 'kind=~"prompt|completion|estimated"'
 
 
 def p95(histogram: str, selector: str, *, by: str) -> str:
@@ -77,7 +79,9 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
                    target(rate(TOKENS, served, by="tenant, kind"), "{{tenant}} {{kind}}"),
                    unit="suffix: tok/s", stack=True,
                    description="Prompt tokens in and completion tokens out per second for each tenant, from the "
-                               "engines' usage reports (streams included), stacked."),
+                               "engines' usage reports (streams included), and the tokens charged that no engine "
+                               "reported (estimated: a stream's tail after its client left, a non-streaming request "
+                               "left or timed out), stacked."),
         timeseries(8, "Share of tokens by tenant", target(share, "{{tenant}}"), unit="percentunit", min_=0,
                    max_=1, stack=True,
                    description="Each tenant's part of all tenants' prompt and completion tokens: who is using "

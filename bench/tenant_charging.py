@@ -1,0 +1,182 @@
+"""What tenants are charged against what the engine did: the tokens each tenant is charged (``prompt`` +
+``completion`` + ``estimated`` of ``appliance_tenant_tokens_total``) over the engine's own counters
+(``vllm:prompt_tokens_total`` + ``vllm:generation_tokens_total``), per way a client uses its answers.
+
+One real vLLM replica (the CPU build, the demo model) behind the appliance's gateway, one tenant per behaviour, one
+phase at a time, the engine idle between phases:
+
+1. ``whole``: clients read every answer to its end (half streams, half non-streaming).
+2. ``leave stream``: streaming clients that close the connection after a few chunks (drawn 1-40), mid-answer.
+3. ``timeout``: non-streaming clients whose own timeout (drawn 0.3-1.5 s) ends before the answer.
+4. ``mixed``: the three at once, interleaved.
+
+It prints, per phase, the engine's tokens, what the tenant was charged (and the part of it that is the gateway's
+estimate rather than an engine's report) and their ratio: 1.0 is exact, below 1 work went uncharged, above 1 the
+tenant paid for more than the engine did (a non-streaming answer whose progress the gateway never sees is charged
+its reservation). Numbers, never assertions.
+
+    .venv/bin/python bench/tenant_charging.py [--requests 24] [--concurrency 4] [--max-tokens 256] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
+from bench.tenant_fairness import WORDS, demo_model, engine_idle  # noqa: E402
+
+PHASES = ("whole", "leave stream", "timeout")
+KEYS = {phase: f"{phase.replace(' ', '-')}-key-0123456789" for phase in PHASES}
+TENANT = {phase: phase.replace(" ", "-") for phase in PHASES}
+METRICS_TOKEN = "bench-metrics-token"
+KINDS = ("prompt", "completion", "estimated")
+
+
+def prompt(rng: random.Random, index: int) -> str:
+    return f"Request {index}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120)))
+
+
+async def whole(http: httpx.AsyncClient, url: str, body: dict, key: str, index: int) -> None:
+    headers = {"authorization": f"Bearer {key}"}
+    if index % 2:
+        response = await http.post(url, json=body, headers=headers, timeout=600)
+        response.raise_for_status()
+        return
+    async with http.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=600) as response:
+        async for _ in response.aiter_bytes():
+            pass
+
+
+async def leave_stream(http: httpx.AsyncClient, url: str, body: dict, key: str, chunks: int) -> None:
+    headers = {"authorization": f"Bearer {key}"}
+    async with http.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=600) as response:
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data: {")
+            if seen >= chunks:
+                break  # the connection closes with the context: the client left
+
+
+async def time_out(http: httpx.AsyncClient, url: str, body: dict, key: str, seconds: float) -> None:
+    with contextlib.suppress(httpx.TimeoutException):
+        await http.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=seconds)
+
+
+async def run_phase(gateway: str, names: tuple[str, ...], args: argparse.Namespace, rng: random.Random) -> None:
+    """``args.requests`` requests of each behaviour in ``names``, ``args.concurrency`` at a time, interleaved."""
+    url = gateway + "/v1/completions"
+    jobs: list[tuple[str, dict, int, float]] = []  # behaviour, body, index, its chunks or timeout
+    for i in range(args.requests):
+        for name in names:
+            body = {"model": "demo", "prompt": prompt(rng, i), "max_tokens": args.max_tokens, "ignore_eos": True,
+                    "temperature": 0}
+            jobs.append((name, body, i, rng.randint(1, 40) if name == "leave stream" else rng.uniform(0.3, 1.5)))
+    rng.shuffle(jobs)
+    limit = asyncio.Semaphore(args.concurrency)
+
+    async def one(http: httpx.AsyncClient, name: str, body: dict, index: int, param: float) -> None:
+        async with limit:
+            if name == "whole":
+                await whole(http, url, body, KEYS[name], index)
+            elif name == "leave stream":
+                await leave_stream(http, url, body, KEYS[name], int(param))
+            else:
+                await time_out(http, url, body, KEYS[name], param)
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as http:
+        await asyncio.gather(*(one(http, *job) for job in jobs))
+
+
+def scrape(url: str, names: tuple[str, ...], headers: dict[str, str] | None = None) -> dict[str, float]:
+    text = httpx.get(url, headers=headers, timeout=30).text
+    out: dict[str, float] = {}
+    for name in names:
+        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", re.M)
+        for labels, value in pattern.findall(text):
+            out[f"{name}{labels}"] = out.get(f"{name}{labels}", 0.0) + float(value)
+    return out
+
+
+def totals(gateway: str, engine: str) -> dict[str, float]:
+    tenants = scrape(gateway + "/metrics", ("appliance_tenant_tokens_total",),
+                     {"authorization": f"Bearer {METRICS_TOKEN}"})
+    got = {"engine": sum(scrape(engine + "/metrics", ("vllm:prompt_tokens_total",
+                                                       "vllm:generation_tokens_total")).values())}
+    for phase in PHASES:
+        for kind in KINDS:
+            got[f"{phase}/{kind}"] = tenants.get(
+                f'appliance_tenant_tokens_total{{kind="{kind}",tenant="{TENANT[phase]}"}}', 0.0)
+    return got
+
+
+def report(rows: list[tuple[str, int, dict[str, float]]]) -> None:
+    print(f"\n{'phase':<14} {'requests':>8} {'engine tok':>10} {'charged':>9} {'of it est.':>10} {'ratio':>6} "
+          f"{'reported only':>13}")
+    for name, count, delta in rows:
+        names = PHASES if name == "mixed" else (name,)
+        reported = sum(delta[f"{n}/{kind}"] for n in names for kind in ("prompt", "completion"))
+        estimated = sum(delta[f"{n}/estimated"] for n in names)
+        engine = delta["engine"]
+        ratio = (reported + estimated) / engine if engine else float("nan")
+        print(f"{name:<14} {count:>8} {engine:>10.0f} {reported + estimated:>9.0f} {estimated:>10.0f} "
+              f"{ratio:>6.2f} {reported / engine if engine else float('nan'):>13.2f}")
+    print("ratio: charged (prompt + completion + estimated) / engine (prompt + generation tokens); "
+          "reported only: without the gateway's estimates")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=24, help="requests per behaviour and phase (default 24)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--base-port", type=int, default=18700)
+    parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
+    args = parser.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="bench-charging-"))
+    tenants = [{"name": TENANT[phase], "api_keys": [KEYS[phase]]} for phase in PHASES]
+    engine_port, port = args.base_port, args.base_port + 10
+    env = {"APPLIANCE_STATE_DIR": str(state), "APPLIANCE_TENANTS": json.dumps(tenants),
+           "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN, "APPLIANCE_MODEL": str(demo_model(args.model)),
+           "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(port),
+           "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024",
+           "APPLIANCE_ENGINE__MAX_NUM_SEQS": "8"}
+    started = time.monotonic()
+    proc = start([sys.executable, "-m", "appliance.cli", "serve"], env, state / "appliance.log")
+    try:
+        gateway, engine = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
+        wait_ok(gateway + "/health/ready", proc)
+        print(f"ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
+        rng = random.Random(args.seed)
+        rows = []
+        for name, names in [(p, (p,)) for p in PHASES] + [("mixed", PHASES)]:
+            asyncio.run(engine_idle(engine))
+            before = totals(gateway, engine)
+            asyncio.run(run_phase(gateway, names, args, rng))
+            asyncio.run(engine_idle(engine))
+            time.sleep(1.0)  # the last aborts reach the counters
+            after = totals(gateway, engine)
+            rows.append((name, args.requests * len(names), {k: after[k] - before[k] for k in after}))
+            print(f"{name}: done", flush=True)
+        report(rows)
+        print(f"total {time.monotonic() - started:.0f}s")
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    main()
