@@ -31,15 +31,19 @@ What it models:
   (``vllm:num_requests_waiting``).
 - Failure: per stream, in order (``failures``, a list that several engines may share): a reset, a clean end
   without ``[DONE]``, a 5xx error event, silence, an ``abort`` finish, a connection dropped unanswered; per request:
-  an error status (``fail_status``, ``fail_every``).
+  an error status (``fail_status``, ``fail_every``); per input (``poisons``): an input vLLM raises on, answered 500
+  whole, or streamed up to a 5xx error event, on every engine and in every continuation of it.
 - vLLM's side of a disconnect: a request whose client hangs up is aborted (the handler is cancelled) and counted.
 - vLLM's ``--api-key`` (``api_key``, or ``$VLLM_API_KEY`` as a process): 401 on its guarded prefixes (``/v1`` ...)
   without the key, every other path open, as vLLM 0.32's AuthenticationMiddleware does.
 - Its own ``/metrics`` as vLLM exports it (what appliance/engine/load.py and maintenance read: requests running
   and waiting, KV-cache usage, prompt and generation token counters, finished requests, ``cache_config_info``'s
   block size and count) plus the process's resident memory; ``/health``, ``/v1/models``, ``/tokenize``.
-- What it received: every request (path, raw bytes, parsed body, headers, arrival time), answers completed,
-  aborts, health probes, metrics reads, the most requests it ever ran at once.
+- What it received: every request (path, raw bytes, parsed body, headers, arrival time: ``cache_salt`` and
+  ``priority`` as the gateway sent them), answers completed, aborts, health probes, metrics reads, the most
+  requests it ever ran at once.
+- Optionally (``prefix_caching``) vLLM's prefix cache as ``cached_tokens`` shows it: whole blocks of the prompt
+  prefilled before under the same ``cache_salt`` (the salt enters the first block's hash, as in vLLM).
 
 Not modelled: several choices (``n``), logprobs, echo, tools, stop strings; answers always finish by ``length``.
 
@@ -226,6 +230,20 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Poison:
+    """An input vLLM raises on, wherever it goes: a request whose prompt's token ids hold ``marker``'s (chat: the
+    rendered chat's; a continuation's prompt of ids too) is answered, whole, with vLLM's 500 ``ErrorResponse``
+    (JSONResponse's compact JSON); streamed, with ``after`` token chunks (chat: the role chunk first, as vLLM sends
+    it with the engine's first output), then the 5xx error event (``json.dumps``' separators) and ``[DONE]``. That is
+    vLLM 0.32's answer to a request its engine core finishes with an error (a structured-output grammar that fails
+    to compile: "Internal server error") or to any unexpected exception in its stream generator."""
+
+    marker: str
+    after: int = 0
+    message: str = "Internal server error"
+
+
+@dataclass(frozen=True)
 class Received:
     """One completion request as it arrived."""
 
@@ -286,11 +304,13 @@ class FakeEngine:
     fail_status: int | None = None  # every request is answered with this error status
     fail_every: int | None = None  # every n-th request (by arrival) is answered 500
     fail_message: str = "injected failure"
+    poisons: list[Poison] = field(default_factory=list)  # inputs every request of which fails (engines may share it)
     raw_stream: bytes | None = None  # every stream is exactly these bytes
     token_ids: bool = True  # honour return_token_ids (False: an engine that leaves them out: no migration)
     writes: Writes = "event"  # one write per event (vLLM); each event in two writes; the whole stream in one
     system_fingerprint: str | None = FINGERPRINT
     cached_tokens: int | None = None  # usage's prompt_tokens_details (vLLM --enable-prompt-tokens-details)
+    prefix_caching: bool = False  # cached_tokens from a prefix cache of whole blocks, salted by cache_salt
     response_id: str | None = None  # every answer's id (default: a new one per request, like vLLM)
     created: int | None = None  # every answer's created (default: the time)
     tokenize_endpoint: bool = True  # serve /tokenize (404 otherwise)
@@ -302,12 +322,16 @@ class FakeEngine:
     num_gpu_blocks: int | None = 8192  # None: the cache is not sized yet (vLLM's label then reads "None")
     backlog: int = 128
     api_key: str | None = None  # vLLM's --api-key: /v1 (and its other guarded prefixes) answer 401 without it
+    # Not vLLM's own: the header the appliance's engine guard (appliance/engine/guard.py) adds to /metrics answers,
+    # saying the scheduling policy vLLM runs; None: an engine without the guard, which says nothing.
+    scheduling_policy: str | None = None
 
     # What it saw, and its own metrics (a test may set the gauges and counters: load from elsewhere).
     received: list[Received] = field(default_factory=list)
     answered: int = 0  # whole answers sent in full
     streamed: int = 0  # streams that ended with [DONE]
     aborted: int = 0  # requests whose client hung up before the answer was complete
+    poisoned: int = 0  # requests answered with a poison's error
     health_checks: int = 0
     refused: int = 0  # requests answered 401 for a missing or wrong API key
     metrics_reads: int = 0
@@ -327,6 +351,7 @@ class FakeEngine:
         self._gate: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
         self._ids = 0
+        self._blocks: set[int] = set()  # prefix_caching: the chained hashes of every block prefilled so far
 
     # -- running it -------------------------------------------------------------------------------------------
 
@@ -452,15 +477,46 @@ class FakeEngine:
         the engine would write them: for code that needs vLLM's bytes without a server (benches of the relay)."""
         chat = "messages" in body
         prompt = self.prompt_ids(body)
-        events = _Events(self, body, chat, prompt)
+        events = _Events(self, body, chat, prompt, self.cached_tokens)
         return events.all(self.model.generate(prompt, self.answer_length(body, prompt)))
 
-    def _usage(self, prompt: int, completion: int, *, final: bool) -> dict[str, Any]:
+    def _usage(self, prompt: int, completion: int, *, final: bool, cached: int | None = None) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                                  "completion_tokens": completion}
-        if final and self.cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        cached = self.cached_tokens if cached is None else cached
+        if final and cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+    def cache_lookup(self, body: dict[str, Any], prompt: list[int]) -> int | None:
+        """With ``prefix_caching``: the prompt's tokens found in the cache (whole blocks, as vLLM's prefix cache
+        holds them, the salt entering the first block's hash; never the block holding the prompt's last token,
+        which vLLM computes again), and the prompt's blocks cached from now on. Else ``cached_tokens``."""
+        if not self.prefix_caching:
+            return self.cached_tokens
+        salt, size = body.get("cache_salt"), self.block_size
+        chain: int = hash(("salt", salt)) if salt else 0
+        hits, missed = 0, False
+        for end in range(size, len(prompt) + 1, size):
+            chain = hash((chain, tuple(prompt[end - size:end])))
+            if not missed and chain in self._blocks and end < len(prompt):
+                hits += size
+            else:
+                missed = True
+            self._blocks.add(chain)
+        return hits
+
+    def poison_in(self, body: dict[str, Any]) -> Poison | None:
+        """The poison whose marker the prompt's token ids hold, if any."""
+        if not self.poisons:
+            return None
+        prompt = self.prompt_ids(body)
+        for poison in self.poisons:
+            ids = self.model.encode(poison.marker)
+            ids = ids[1:] if len(ids) > 1 and ids[0] == BOS else ids
+            if any(prompt[i:i + len(ids)] == ids for i in range(len(prompt) - len(ids) + 1)):
+                return poison
+        return None
 
     def _next_id(self, chat: bool) -> str:
         self._ids += 1
@@ -508,7 +564,8 @@ class FakeEngine:
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self.metrics_reads += 1
-        return web.Response(body=self.metrics_page(), content_type="text/plain", charset="utf-8")
+        headers = {"x-appliance-scheduling-policy": self.scheduling_policy} if self.scheduling_policy else None
+        return web.Response(body=self.metrics_page(), content_type="text/plain", charset="utf-8", headers=headers)
 
     def metrics_page(self) -> bytes:
         """The series of vLLM's /metrics the appliance reads, as prometheus_client exposes them."""
@@ -561,7 +618,8 @@ class FakeEngine:
             return self._json(vllm_error("The request body must be a JSON object.", 400), status=400)
         self.received.append(Received(request.path, raw, body, dict(request.headers), time.monotonic()))
         number = len(self.received)
-        failure = self.failures.pop(0) if self.failures else None
+        poison = self.poison_in(body)
+        failure = self.failures.pop(0) if self.failures and poison is None else None
         if failure is not None and failure.how == "refuse":  # hangs up before answering (a stale connection)
             assert request.transport is not None
             request.transport.abort()
@@ -573,6 +631,11 @@ class FakeEngine:
         model = body.get("model")
         if model is not None and model != self.served_model_name:
             return self._json(vllm_error(f"The model `{model}` does not exist.", 404, param="model"), status=404)
+        if poison is not None:
+            self.poisoned += 1
+            if not body.get("stream"):
+                return self._json(vllm_error(poison.message, 500, "InternalServerError"), status=500)
+            failure = Failure(after=poison.after, how="error", message=poison.message)
         try:
             return await self._run(request, body, number, failure)
         except asyncio.CancelledError:  # the client hung up: vLLM aborts the request
@@ -587,6 +650,7 @@ class FakeEngine:
         chat = request.path == "/v1/chat/completions"
         prompt = self.prompt_ids(body)
         count = self.answer_length(body, prompt)
+        cached = self.cache_lookup(body, prompt)
         slot = await self._wait_for_slot()
         self.running += 1
         self.max_running = max(self.max_running, int(self.running))
@@ -597,7 +661,7 @@ class FakeEngine:
                            else self.first_token_delay)
             await self._pass_freeze(number)
             if not body.get("stream"):
-                return await self._whole(request, body, chat, prompt, count, first_delay, failure)
+                return await self._whole(request, body, chat, prompt, count, first_delay, failure, cached)
             response = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
             await response.prepare(request)
             if self.raw_stream is not None:
@@ -606,7 +670,7 @@ class FakeEngine:
             if first_delay:
                 await asyncio.sleep(first_delay)
             self.prompt_tokens_total += len(prompt)
-            stream = _Stream(self, request, response, body, chat, prompt, failure)
+            stream = _Stream(self, request, response, body, chat, prompt, failure, cached)
             await stream.run(self.model.generate(prompt, count))
             return response
         finally:
@@ -638,7 +702,7 @@ class FakeEngine:
                 pass
 
     async def _whole(self, request: web.Request, body: dict[str, Any], chat: bool, prompt: list[int], count: int,
-                     first_delay: float, failure: Failure | None) -> web.StreamResponse:
+                     first_delay: float, failure: Failure | None, cached: int | None) -> web.StreamResponse:
         """A non-streamed answer, after the time its tokens take."""
         if failure is not None:  # headers, then the body breaks off
             response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "4096"})
@@ -651,8 +715,8 @@ class FakeEngine:
         tokens = self.model.generate(prompt, count)
         with_ids = self.token_ids and bool(body.get("return_token_ids"))
         usage = self._usage(len(prompt), count, final=False)
-        usage["prompt_tokens_details"] = (None if self.cached_tokens is None else  # a whole model_dump: every field
-                                          {"cached_tokens": self.cached_tokens, "created_cache_tokens": None,
+        usage["prompt_tokens_details"] = (None if cached is None else  # a whole model_dump: every field
+                                          {"cached_tokens": cached, "created_cache_tokens": None,
                                            "multimodal_tokens": None})
         usage["completion_tokens_details"] = None
         rid, created = self._next_id(chat), self.created or int(time.time())
@@ -689,8 +753,9 @@ class FakeEngine:
 class _Events:
     """The events of one streamed answer, as vLLM's stream generators write them."""
 
-    def __init__(self, engine: FakeEngine, body: dict[str, Any], chat: bool, prompt: list[int]) -> None:
-        self.engine, self.body, self.chat, self.prompt = engine, body, chat, prompt
+    def __init__(self, engine: FakeEngine, body: dict[str, Any], chat: bool, prompt: list[int],
+                 cached: int | None) -> None:
+        self.engine, self.body, self.chat, self.prompt, self.cached = engine, body, chat, prompt, cached
         options = body.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
         self.continuous = self.include_usage and bool(options.get("continuous_usage_stats"))
@@ -740,7 +805,8 @@ class _Events:
     def final_usage(self, generated: int) -> dict[str, Any]:
         """The usage event that ends a stream whose client asked for usage."""
         last: dict[str, Any] = {**self.head, "choices": [],
-                                "usage": self.engine._usage(len(self.prompt), generated, final=True)}
+                                "usage": self.engine._usage(len(self.prompt), generated, final=True,
+                                                            cached=self.cached)}
         if self.engine.system_fingerprint is not None:
             last["system_fingerprint"] = self.engine.system_fingerprint
         return last
@@ -757,8 +823,9 @@ class _Stream(_Events):
     """One streamed answer on the wire: its events in time, and its failure."""
 
     def __init__(self, engine: FakeEngine, request: web.Request, response: web.StreamResponse,
-                 body: dict[str, Any], chat: bool, prompt: list[int], failure: Failure | None) -> None:
-        super().__init__(engine, body, chat, prompt)
+                 body: dict[str, Any], chat: bool, prompt: list[int], failure: Failure | None,
+                 cached: int | None) -> None:
+        super().__init__(engine, body, chat, prompt, cached)
         self.request, self.response, self.failure = request, response, failure
         self.pending: list[bytes] = []  # writes == "one": everything leaves at the end
         self.generated = 0  # tokens sent (they hold KV cache while the request runs)

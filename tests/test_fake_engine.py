@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from appliance.engine.load import parse_engine_load
-from tests.fake_engine import CountingModel, Failure, FakeEngine, tokenize_words
+from tests.fake_engine import CountingModel, Failure, FakeEngine, Poison, tokenize_words
 from tests.polling import eventually
 
 CHAT = {"messages": [{"role": "user", "content": "Hé, what's up?"}]}
@@ -146,6 +146,36 @@ def test_an_engine_failure_is_vllms_error_event_then_done() -> None:
     assert events[-3:] == ['data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
                            '"param": null, "code": 500}}', "data: [DONE]", ""]
     assert len(events) == 2 + 3
+
+
+def test_a_poison_is_vllms_500_whole_and_its_error_event_streamed_on_every_engine_and_continuation() -> None:
+    """An input vLLM raises on (a request its engine core finishes with an error): vLLM's GenerationError answer,
+    byte for byte as its handler (whole) and its stream generator (streamed) write it; after the chat's role chunk
+    when streamed as chat; and a continuation whose prompt ids hold the poison's fails too."""
+    pytest.importorskip("vllm.entrypoints.serve.exception_handling.error_response")
+    from http import HTTPStatus
+
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import GenerationError
+
+    whole = JSONResponse(create_error_response(GenerationError("Internal server error")).model_dump(), 500).body
+    event = "data: " + json.dumps(create_error_response("Internal server error", err_type="InternalServerError",
+                                                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR).model_dump())
+    poison = Poison("<<raise>>")
+    with FakeEngine(poisons=[poison], tokens=4) as first, FakeEngine(poisons=[poison], tokens=4) as second:
+        answer = post(first, {"prompt": "x <<raise>> y"})
+        assert answer.status_code == 500 and answer.content == whole
+        streamed = post(second, {"prompt": "x <<raise>> y", "stream": True}).text.split("\n\n")
+        assert streamed == [event, "data: [DONE]", ""]
+        chat = post(first, {"messages": [{"role": "user", "content": "<<raise>>"}], "stream": True}).text
+        events = chat.split("\n\n")
+        assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert events[1:] == [event, "data: [DONE]", ""]
+        ids = first.prompt_ids({"prompt": "x <<raise>> y"})
+        assert post(second, {"prompt": [*ids, 5, 6]}).status_code == 500  # a continuation of it
+        assert post(second, {"prompt": "x <<rise>> y"}).status_code == 200
+    assert (first.poisoned, second.poisoned) == (2, 2)
 
 
 @pytest.mark.parametrize("how", ["reset", "eof", "refuse", "abort"])

@@ -175,10 +175,10 @@ class MigratingRequest(RequestHook):
             self.pending.failed(self.metrics)
             self.pending = None
         ledger, exchange, exc = self.ledger, self.exchange, brk.error
+        failed = failure_outcome(exc)  # an engine's error event: SERVER_ERROR, judged by the shape breaker
         if ledger.finished():  # only the closing events were lost: the answer is whole
-            exchange.settle(Outcome.FAILURE)
+            exchange.settle(failed)
             return Resolution(ledger.closing(), Outcome.SUCCESS, 200)
-        failed = failure_outcome(exc)
         why = self._cannot_continue(brk)
         if why is not None:
             return Resolution(self._error(exc, brk.reason, why), failed,
@@ -244,10 +244,10 @@ class MigratingRequest(RequestHook):
         the engine (a pooled connection the engine had just closed, seen on a real restart) is tried again, like
         any request's, up to the transport's ``max_attempts``."""
         exchange, placement = self.exchange, self.placement
-        path, body = ledger.continuation()
         replayed = len(ledger.prompt_ids or []) + len(ledger.sent_ids) if ledger.started else 0
         for attempt in range(1, placement.max_attempts + 1):
             await placement.admit_patiently(exchange, "continuation")
+            path, body = ledger.continuation()  # after the hooks saw the replica (its priority is in the body)
             replica = exchange.replica
             pending.span.set_attribute("appliance.migration.to", replica.name)
             pending.span.set_attribute("appliance.migration.replayed_tokens", replayed)

@@ -110,9 +110,10 @@ def _count(value: Any) -> int:
 # match inside generated text; an event where it does not match exactly once takes the parsing path.
 TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')  # no optional prefix: a literal start scans 10x faster
 # What only the parsing path handles: the prompt's ids (a list; vLLM writes "prompt_token_ids":null on every other
-# completion chunk, which the fast path passes), an error, a usage report, a finish. Plain substring tests: each is
-# one fast scan, several times faster than one regular expression with alternatives.
-SLOW_MARKS = (b'"prompt_token_ids":[', b'"error"', b'"usage":{', b'"finish_reason":"')
+# completion chunk, which the fast path passes), an error, the final usage report, a finish. (The running usage on
+# each token chunk, continuous_usage_stats, passes the fast path: it reports nothing the ledger keeps.) Plain
+# substring tests: each is one fast scan, several times faster than one regular expression with alternatives.
+SLOW_MARKS = (b'"prompt_token_ids":[', b'"error"', b'"choices":[],"usage":{', b'"finish_reason":"')
 
 
 def needs_parsing(events: bytes) -> bool:
@@ -187,7 +188,8 @@ class StreamLedger:
             code = error.get("code") if isinstance(error, dict) else None
             if not isinstance(code, int) or code >= 500:
                 self.events -= 1  # not relayed
-                raise StreamBreak(ENGINE_ERROR, str(error.get("message") if isinstance(error, dict) else error))
+                raise StreamBreak(ENGINE_ERROR, str(error.get("message") if isinstance(error, dict) else error),
+                                  status=code if isinstance(code, int) else None)
             return event
         return self._continued(obj) if self.continuing else self._original(obj, event)
 
@@ -231,7 +233,7 @@ class StreamLedger:
         changed = self._take_prompt_ids(obj)  # chat: on the first chunk
         for choice in obj.get("choices") or []:
             changed |= self._track(choice)
-        if obj.get("usage"):
+        if obj.get("usage") and not obj.get("choices"):  # the final usage event, not a chunk's running usage
             self.usage_sent = True
         if not changed:
             return event
@@ -299,9 +301,9 @@ class StreamLedger:
                 rewritten = {"index": 0, "text": choice.get("text") or "", "logprobs": None, "finish_reason": finish,
                              "stop_reason": choice.get("stop_reason"), "prompt_token_ids": None, "token_ids": shown}
             out["choices"].append(rewritten)
-        if obj.get("usage"):
+        if obj.get("usage"):  # the final usage, or a chunk's running usage: the whole answer's so far
             out["usage"] = self.whole_usage(obj["usage"].get("completion_tokens") or 0)
-            self.usage_sent = True
+            self.usage_sent = self.usage_sent or not out["choices"]
         return sse(out)
 
     def whole_usage(self, leg_completion_tokens: int) -> dict[str, int]:

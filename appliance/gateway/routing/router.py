@@ -26,7 +26,8 @@ from appliance.gateway.routing.ejection import Ejector, ReplicaHealth
 from appliance.gateway.routing.filters import ELIGIBLE, passing, sift
 from appliance.gateway.routing.pipeline import build_policy
 from appliance.gateway.routing.request import Decision, RoutingRequest
-from appliance.gateway.routing.settings import RoutingSettings
+from appliance.gateway.routing.scorers import PrefixScorer
+from appliance.gateway.routing.settings import PrefixScorerSettings, RoutingSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class Outcome(enum.Enum):
     CLIENT_ERROR = "client_error"  # a 4xx: the request's fault, says nothing about the replica
     TIMED_OUT = "timed_out"  # outlived request_timeout_seconds: the request's length (max_tokens), not a fault
     ABORTED = "aborted"  # the client went away or the request never reached the replica
+    # The engine answered an error of its own for this request (a 500, or a 5xx error event): its fault, or the
+    # input's (a request that makes vLLM raise fails on every replica). Judged by the shape breaker once known
+    # (appliance.gateway.breaker: ``engine_failed``); without one it counts as FAILURE at once.
+    SERVER_ERROR = "server_error"
 
 
 class Router:
@@ -48,17 +53,21 @@ class Router:
         limit_for: Callable[[str], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        affinity_scorer: Callable[[PrefixScorerSettings], PrefixScorer] = PrefixScorer,
     ) -> None:
         self._replicas = replicas
         self.routing = routing or RoutingSettings()
         self._limit_for = limit_for or (lambda _name: 1 << 30)
         self._clock = clock
         self.ejector = Ejector(self.routing, clock)
+        # SERVER_ERROR releases wait for a verdict (engine_failed) instead of counting as failures: set by the
+        # composition root when the shape breaker judges them.
+        self.server_errors_judged = False
         self.outstanding: dict[str, int] = {}  # requests in flight per replica, as the gateway sent them
         self.load: dict[str, EngineLoad] = {}
         self._busy_since: dict[str, float] = {}  # when each replica's in-flight count last rose from 0
         self._relayed_at: dict[str, float] = {}  # when the gateway last relayed response bytes from each replica
-        self.policy = build_policy(self.routing.scorers)
+        self.policy = build_policy(self.routing.scorers, affinity_scorer)
         registry = registry if registry is not None else CollectorRegistry()
         self.metrics = RoutingMetrics(registry)
         if self.policy.prefix is not None:
@@ -146,10 +155,15 @@ class Router:
             self.outstanding[replica.name] = count - 1
             if count == 1:
                 self._busy_since.pop(replica.name, None)
-        if outcome is Outcome.FAILURE:
+        if outcome is Outcome.FAILURE or (outcome is Outcome.SERVER_ERROR and not self.server_errors_judged):
             self.ejector.failure(replica.name)
         elif outcome is Outcome.SUCCESS:
             self.ejector.success(replica.name, ttft_seconds, (r.name for r in self.eligible()))
+
+    def engine_failed(self, name: str) -> None:
+        """An error answer released as SERVER_ERROR was judged the engine's fault: it counts toward ejection now (a
+        success in between has reset the count: "in a row" holds to within one request)."""
+        self.ejector.failure(name)
 
     def prune(self, live: Collection[str]) -> None:
         """Forget what is kept per replica for those gone from the fleet (``live``: the names in it now): engine

@@ -9,7 +9,14 @@ and never back to a replica that already failed this request. Once the first byt
 stream with an error event instead, unless a hook resolves the break (migration).
 
 Timeouts: a request that outlives ``request_timeout_seconds`` is the request's own length (a long max_tokens), not
-the replica's fault, so it does not count toward ejection; connect and idle-read timeouts do.
+the replica's fault, so it does not count toward ejection; connect and idle-read timeouts do (but a stream's first
+byte later than the idle timeout from an engine that answers /health is a long prefill: appliance.gateway.breaker).
+
+Error answers: an engine that answers 500 (or 501), or ends a stream with such an error event, raised on this
+request; that is its fault or the input's (vLLM answers 500 to any unexpected exception a request causes, on every
+replica alike). Such an answer is an ``Outcome.SERVER_ERROR``: judged by the shape breaker, which may try it once
+more elsewhere to tell (``ConfirmElsewhere``), unless the engine says its core died (``ENGINE_DEAD``): that is the
+engine's failure, whatever the request.
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ from appliance.http.errors import APIError, error_body
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 RETRYABLE_STATUS = frozenset({502, 503})
+# What vLLM answers when a request raised in it: 500 for an unexpected exception (or a request its engine core
+# finished with an error), 501 for NotImplementedError (vllm/entrypoints/serve/exception_handling/).
+ERROR_ANSWER_STATUS = frozenset({500, 501})
+# vLLM's EngineDeadError: the engine core died, every request on it fails; never the input's doing.
+ENGINE_DEAD = "EngineCore encountered an issue"
+ENGINE_ERROR_REASON = "engine error: "  # how an attempt that an engine's error answer ended is explained
 # What a stream still open at the drain timeout ends with, instead of a silent cut when the server stops.
 SHUTDOWN_EVENT = ("data: " + json.dumps(error_body(
     503, "the gateway is shutting down; the stream was cut at the drain timeout", code="shutting_down")) + "\n\n"
@@ -39,6 +52,12 @@ class RetryableUpstreamError(Exception):
     def __init__(self, message: str, *, stale: bool = False) -> None:
         super().__init__(message)
         self.stale = stale
+
+
+class ConfirmElsewhere(RetryableUpstreamError):
+    """An engine answered an error of its own (SERVER_ERROR) before anything reached the client: the request is
+    tried once more on another replica, which tells the engine's fault (it succeeds there) from the input's (it
+    fails there too). The failed engine finished with the request: nothing runs twice."""
 
 
 class RerunElsewhere(RetryableUpstreamError):
@@ -67,10 +86,37 @@ def never_reached_engine(exc: BaseException) -> bool:
 def failure_outcome(exc: BaseException) -> Outcome:
     """How a failed upstream call judges the replica: the whole-request timeout measures the request (its
     max_tokens), not the replica; connect and idle-read timeouts (aiohttp's ServerTimeoutError), broken
-    connections and broken streams do."""
+    connections and broken streams do; an engine's error event for this request is a SERVER_ERROR (judged)."""
     if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ServerTimeoutError):
         return Outcome.TIMED_OUT
+    if isinstance(exc, StreamBreak) and error_answer(exc.status, exc.detail):
+        return Outcome.SERVER_ERROR
     return Outcome.FAILURE
+
+
+def error_answer(status: int | None, message: str) -> bool:
+    """An engine's error answer for one request (a 500 or 501, as status or error event), not its core's death:
+    the engine's fault or the input's, which the shape breaker judges."""
+    return status in ERROR_ANSWER_STATUS and ENGINE_DEAD not in message
+
+
+def error_message(body: bytes) -> str:
+    """The message of an engine's error answer (vLLM's ``{"error": {"message": ...}}``), cut to 200 characters."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("message") or "")[:200] if isinstance(error, dict) else ""
+
+
+def answer_outcome(status: int, body: bytes) -> Outcome:
+    """How a whole answer judges the replica: a 4xx is the request's; an error answer (``error_answer``) is judged;
+    any other 5xx is the replica's failure."""
+    if status < 400:
+        return Outcome.SUCCESS
+    if status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.SERVER_ERROR if error_answer(status, body[:4096].decode(errors="replace")) else Outcome.FAILURE
 
 
 def request_outlived(exc: BaseException) -> bool:

@@ -10,7 +10,7 @@ does not touch.
 A ``RequestHook``'s methods fall in two groups, kept apart on purpose:
 
 - **decisions** (``arrived``, ``queued``, ``admitted``, ``sending``, ``responding``, ``attempt_ended``,
-  ``finished``): once per attempt or per request,
+  ``judge_error``, ``finished``): once per attempt or per request,
   where admission and routing run;
 - **relay** (``relayed``, ``leg_closed``, ``held``, ``broke``): per block of whole events on their way to the
   client, and at a break.
@@ -36,27 +36,29 @@ from typing import Any
 
 from appliance.gateway.routing.request import Decision
 from appliance.gateway.routing.router import Outcome
+from appliance.http.errors import APIError
 
 
 class StreamBreak(Exception):
     """The upstream stream ended before it was whole (a hook saw it: an engine's error event, an abort, a stream
-    closed before ``[DONE]``)."""
+    closed before ``[DONE]``). ``status``: the code of the engine's error event, when it gave one."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, *, status: int | None = None) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.status = status
 
 
 @dataclass(slots=True, eq=False)
 class Attempt:
-    """One replica's turn at a request: the first, a retry, a re-run or a stream's continuation."""
+    """One replica's turn at a request: the first, a retry, a confirmation, a re-run or a stream's continuation."""
 
     replica: str
     started: float  # monotonic: when the replica was assigned (after any gateway queueing)
     queue_wait: float  # seconds waited for the slot
     decision: Decision | None  # why this replica (None: the router kept no explanation)
-    kind: str = "first"  # first, retry, rerun, continuation
+    kind: str = "first"  # first, retry, confirm (an engine's error answer tried elsewhere), rerun, continuation
     outcome: Outcome | None = None  # set when the attempt ended without an answer for the client
     reason: str | None = None
     sent_tokens: int = 0  # tokens the client had been sent when it ended (a stream that moves on)
@@ -81,12 +83,15 @@ class Block:
 
 @dataclass(slots=True)
 class Break:
-    """A stream that broke after its first byte: the error, the replica it broke on, and why in one word."""
+    """A stream that broke after its response headers: the error, the replica it broke on, and why in one word.
+    ``silent``: the leg had relayed no event yet (an idle timeout then means no first byte: a long prefill, or a
+    hung engine)."""
 
     error: BaseException
     replica: str
     reason: str  # appliance.gateway.migration's break reasons
     at: float  # monotonic
+    silent: bool = False
 
 
 @dataclass(slots=True)
@@ -138,6 +143,13 @@ class RequestHook:
     def attempt_ended(self, attempt: Attempt) -> None:
         """An attempt ended without an answer for the client (``attempt.outcome``, ``attempt.reason``)."""
 
+    def judge_error(self, attempt: Attempt) -> APIError | None:
+        """The engine answered the attempt with an error of its own (``attempt.outcome`` is SERVER_ERROR: a 500 it
+        raised for this request), which the engine or the input may have caused. Return the error that ends the
+        request when the input is at fault (it is tried nowhere else); None: not known to be the input. Only when
+        some hook overrides this does the transport try such a request once more elsewhere, to tell."""
+        return None
+
     def finished(self, end: End) -> None:
         """The request is over: counted once, whatever happened."""
 
@@ -179,11 +191,12 @@ class HookChain:
     """One request's hooks, in the composition root's order (the response's side in reverse). Each relay method
     runs only the hooks that override it, so a feature that does not touch a request costs it nothing per event."""
 
-    __slots__ = ("hooks", "frames", "_response", "_relayers", "_closers", "_holders", "_breakers")
+    __slots__ = ("hooks", "frames", "_response", "_relayers", "_closers", "_holders", "_breakers", "_judges")
 
     def __init__(self, hooks: Sequence[RequestHook]) -> None:
         self.hooks = tuple(hooks)
         self.frames = any(h.frames for h in self.hooks)
+        self._judges = tuple(h for h in self.hooks if type(h).judge_error is not RequestHook.judge_error)
         self._response = self.hooks[::-1]
         self._relayers = tuple(h for h in self._response if _overrides(h, "relayed"))
         self._closers = tuple(h for h in self._response if _overrides(h, "leg_closed"))
@@ -213,6 +226,19 @@ class HookChain:
     def attempt_ended(self, attempt: Attempt) -> None:
         for hook in self.hooks:
             hook.attempt_ended(attempt)
+
+    @property
+    def judges_errors(self) -> bool:
+        """Whether a hook judges the engines' error answers (``judge_error``)."""
+        return bool(self._judges)
+
+    def judge_error(self, attempt: Attempt) -> APIError | None:
+        """The first hook's error that blames the input, in list order; None when none does."""
+        for hook in self._judges:
+            error = hook.judge_error(attempt)
+            if error is not None:
+                return error
+        return None
 
     def finished(self, end: End) -> None:
         for hook in self._response:
