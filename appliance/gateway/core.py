@@ -20,6 +20,7 @@ from appliance.gateway.admission.queue import Admission
 from appliance.gateway.observation.event_loop import EventLoopLag
 from appliance.gateway.observation.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.observation.records import RequestRecords
+from appliance.gateway.routing.kv_events.hub import KvEventsHub
 from appliance.gateway.routing.router import Router
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
@@ -46,6 +47,7 @@ class Gateway:
     records: RequestRecords  # the last requests' records (GET /admin/requests): gateway.request_records
 
     revocation: Revocation | None = None  # the hook that ends a removed tenant's streams
+    kv_events: KvEventsHub | None = None  # the engines' KV-cache event subscriptions (precise prefix routing)
 
     def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
                        overlap_seconds: float = 0.0) -> list[str]:

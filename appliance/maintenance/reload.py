@@ -54,6 +54,8 @@ NOT_ROLLABLE_ENGINE_KEYS = frozenset({
     "engine.tensor_parallel_size", "engine.base_port", "engine.host", "engine.advertise_host", "engine.log_max_bytes",
     "engine.log_backups", "engine.log_stdout", "engine.restart_backoff_initial_seconds",
     "engine.restart_backoff_max_seconds", "engine.user",  # the user is checked once, at start (secrets, model)
+    # The gateway subscribed to the engines' KV events where these said, at start (precise prefix routing).
+    "engine.kv_events", "engine.kv_events_port_offset", "engine.kv_events_replay_port_offset",
 })
 # Applied at once, without a restart: the tenants and every credential (a replaced secret stays valid for
 # gateway.secret_overlap_seconds, so its holders can move over; appliance.http.credentials.Keyring).

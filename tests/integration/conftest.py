@@ -19,6 +19,8 @@ import yaml
 from appliance.monitoring import rules
 from appliance.monitoring.config import load_config
 from tests.integration.harness import ApplianceProcess, free_port_range, serving
+from tests.integration.harness import _ephemeral_low as ephemeral_low
+from tests.integration.harness import _port_free as port_free
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,11 +79,33 @@ def monitoring_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "APPLIANCE_MONITORING__ASSETS_DIR": str(live_assets(tmp_path_factory.mktemp("assets")))}
 
 
+# The engines publish their KV-cache events and the gateway routes on them, falling back to its own model of the
+# engines' caches per replica while an event index is not current (test_kv_events.py). For prompts that share
+# nothing that routes exactly as the approximate mode did (every replica holds none of them).
+KV_EVENTS_ENV = {"APPLIANCE_ENGINE__KV_EVENTS": "local",
+                 "APPLIANCE_ENGINE__KV_EVENTS_PORT_OFFSET": "1000",
+                 "APPLIANCE_ENGINE__KV_EVENTS_REPLAY_PORT_OFFSET": "2000",
+                 "APPLIANCE_ROUTING__PREFIX_CACHE__MODE": "precise-with-fallback"}
+
+
+def ports_with_kv_events(replicas: int, offsets: tuple[int, ...] = (1000, 2000)) -> int:
+    """A base port whose engine ports, the gateway's just above them, and the engines' event ports (each port plus
+    each offset) are free and below the kernel's ephemeral range: an engine whose event socket cannot bind does not
+    start."""
+    low = ephemeral_low() or 65536
+    for _ in range(100):
+        base = free_port_range(replicas + 1)
+        ports = [base + i + offset for i in range(replicas) for offset in offsets]
+        if max(ports) < low and all(port_free(port) for port in ports):
+            return base
+    raise RuntimeError("no free port range for engines with KV events")
+
+
 @pytest.fixture(scope="session")
 def appliance(demo_model_int8, tmp_path_factory):
     # `appliance up`, the README's command: the engines and the gateway, plus a local Prometheus and Alertmanager
     # (monitoring_env) for test_monitoring.py.
-    env = {**SHARED_ENV, **monitoring_env(tmp_path_factory),
+    env = {**SHARED_ENV, **monitoring_env(tmp_path_factory), **KV_EVENTS_ENV,
            # Scheduled maintenance on, so its metrics (next window) exist, but it never acts during the tests:
            # the window is a month away and the memory triggers cannot be reached.
            "APPLIANCE_MAINTENANCE__ENABLED": "true",
@@ -89,7 +113,7 @@ def appliance(demo_model_int8, tmp_path_factory):
            "APPLIANCE_MAINTENANCE__FRAGMENTATION_THRESHOLD": "1",
            "APPLIANCE_MAINTENANCE__MEMORY_GROWTH_THRESHOLD": "1000"}
     app = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path_factory.mktemp("appliance"), replicas=2,
-                           env=env, command="up")
+                           env=env, command="up", base_port=ports_with_kv_events(2))
     with serving(app, stop_signal=signal.SIGKILL) as running:
         yield running
 

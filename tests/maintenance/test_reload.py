@@ -107,6 +107,7 @@ def test_a_reload_whose_roll_stops_unstages_what_it_staged(reloadable):
     ({"replicas": 3}, "replicas"),
     ({"host": "0.0.0.0", "engine__max_num_seqs": 8}, "host"),
     ({"engine__tensor_parallel_size": 2}, "engine.tensor_parallel_size"),
+    ({"engine__kv_events": "local"}, "engine.kv_events"),  # the gateway subscribed (or not) at start
     ({"admission__max_queue": 3}, "admission.max_queue"),
 ])
 def test_changes_that_cannot_roll_are_refused_with_the_keys(reloadable, changes, keys):

@@ -16,14 +16,14 @@ least used replica: without it, ties at low concurrency always went to the first
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica
 from appliance.gateway.routing.filters import BalanceBound
 from appliance.gateway.routing.request import Decision, RoutingRequest
 from appliance.gateway.routing.scorers import NEUTRAL, PrefixScorer, Score, Scorer, build_scorers
-from appliance.gateway.routing.settings import RoutingScorerSettings
+from appliance.gateway.routing.settings import PrefixScorerSettings, RoutingScorerSettings
 from appliance.gateway.routing.view import RoutingView
 
 # Every value the "decided_by" metric label can take: bounded by construction.
@@ -153,10 +153,11 @@ def _neutral(scores: list[Score]) -> list[float]:
     return [NEUTRAL if s is None else s for s in scores]
 
 
-def build_policy(settings: RoutingScorerSettings) -> Policy:
+def build_policy(settings: RoutingScorerSettings,
+                 affinity_scorer: Callable[[PrefixScorerSettings], PrefixScorer] = PrefixScorer) -> Policy:
     if settings.policy == "round_robin":
         return RoundRobinPolicy()
-    scorers = build_scorers(settings.prefix)
+    scorers = build_scorers(settings.prefix, affinity_scorer)
     weights = settings.weights.model_dump()
     return WeightedPolicy([(scorers[name], weights[name]) for name in scorers],
                           [scorers[name] for name in settings.tie_breakers],

@@ -7,11 +7,15 @@ renders to the previous rendering plus more), not identical to the model's chat 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.gateway.routing.prefix_index import block_hashes
+
+if TYPE_CHECKING:
+    from appliance.gateway.routing.kv_events.tokens import PromptTokens
 
 _MESSAGE_END = "\x1e"  # record separator: cannot be confused with the text of a message
 _ROLE_END = "\x1f"
@@ -60,16 +64,23 @@ class Decision:
 
 @dataclass
 class RoutingRequest:
-    """The prompt text; its block hashes are computed on first use and kept for retries."""
+    """The prompt text; its block hashes are computed on first use and kept for retries. ``salt``: the prefix
+    cache the engine will look the prompt up in (the tenant's ``cache_salt``, set before routing; empty: the
+    shared cache), so that prefix affinity only counts on hits that can happen."""
 
     prompt: str
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
     decision: Decision | None = None
+    salt: str = ""
+    # Precise prefix routing (appliance/gateway/routing/kv_events): the prompt as the engine tokenizes it, when
+    # known, and the work that fills it, which the transport awaits before the request is routed.
+    tokens: PromptTokens | None = None
+    preparing: asyncio.Future[None] | None = None
 
     def hashes(self, block_chars: int) -> list[int]:
         cached = self._hashes.get(block_chars)
         if cached is None:
-            cached = self._hashes[block_chars] = block_hashes(self.prompt, block_chars)
+            cached = self._hashes[block_chars] = block_hashes(self.prompt, block_chars, self.salt)
         return cached
 
 

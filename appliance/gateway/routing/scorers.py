@@ -9,7 +9,7 @@ prompt's prefix was recently sent to each replica, within a bounded load.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from appliance.engine.contract import Replica, ReplicaState
@@ -145,23 +145,28 @@ class PrefixScorer:
 
     def scores(self, candidates: Sequence[Replica], view: RoutingView, request: RoutingRequest | None
                ) -> list[Score]:
-        if request is None or not request.prompt:
-            return [0.0] * len(candidates)
-        hashes = request.hashes(self.block_chars)
-        if not hashes:
+        ratios = self.ratios(candidates, request) if request is not None and request.prompt else None
+        if ratios is None:
             return [0.0] * len(candidates)
         counts = [view.in_flight(r.name) for r in candidates]
         bound = math.ceil(self.load_factor * (sum(counts) + 1) / len(candidates))
         out: list[Score] = []
         yielded = False
-        for replica, count in zip(candidates, counts, strict=True):
-            ratio = self.index.matched_blocks(replica.name, hashes) * self.block_chars / len(request.prompt)
+        for ratio, count in zip(ratios, counts, strict=True):
             if ratio > 0 and count + 1 > bound:
                 yielded = True
                 ratio = 0.0
             out.append(ratio)
         self.yields += yielded
         return out
+
+    def ratios(self, candidates: Sequence[Replica], request: RoutingRequest) -> list[float] | None:
+        """Each candidate's share of the prompt it holds, before the load bound (None: too short to match).
+        The precise scorer (appliance/gateway/routing/kv_events) answers this from the engines' own events."""
+        hashes = request.hashes(self.block_chars)
+        if not hashes:
+            return None
+        return [self.index.matched_blocks(r.name, hashes) * self.block_chars / len(request.prompt) for r in candidates]
 
     def chosen(self, replica: Replica, request: RoutingRequest | None) -> None:
         if request is not None and request.prompt:
@@ -198,8 +203,10 @@ class CacheRoomScorer(_Stateless):
         return out
 
 
-def build_scorers(prefix: PrefixScorerSettings) -> dict[str, Scorer]:
-    """One of each scorer; the cache-room scorer reads the prefix scorer's index."""
-    affinity = PrefixScorer(prefix)
+def build_scorers(prefix: PrefixScorerSettings,
+                  affinity_scorer: Callable[[PrefixScorerSettings], PrefixScorer] = PrefixScorer) -> dict[str, Scorer]:
+    """One of each scorer; the cache-room scorer reads the prefix scorer's index. ``affinity_scorer`` builds the
+    prefix scorer: the approximate one, or the precise one (the composition root's, kv_events.PreciseScorer)."""
+    affinity = affinity_scorer(prefix)
     return {"outstanding": OutstandingScorer(), "kv_cache": KvCacheScorer(), "queue": QueueScorer(),
             "prefix": affinity, "cache_room": CacheRoomScorer(affinity)}

@@ -1,4 +1,5 @@
-"""The ``routing`` section: filters, scorers and their weights, prefix affinity, ejection, migration."""
+"""The ``routing`` section: filters, scorers and their weights, prefix affinity (and how the engines' prefix caches
+are known: ``prefix_cache``), ejection, migration."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from appliance.gateway.routing.kv_events.settings import PrefixCacheSettings
 from appliance.setting_types import split_commas
 
 ScorerName = Literal["outstanding", "kv_cache", "queue", "prefix", "cache_room"]
@@ -96,9 +98,12 @@ class RoutingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scorers: RoutingScorerSettings = Field(default_factory=RoutingScorerSettings)
+    prefix_cache: PrefixCacheSettings = Field(default_factory=PrefixCacheSettings)
 
     eject_consecutive_failures: int = Field(
-        3, ge=1, description="Upstream failures in a row (connect errors, 5xx, timeouts) that eject a replica."
+        3, ge=1, description="Upstream failures in a row (connect errors, 5xx, timeouts) that eject a replica. An "
+        "error answer the request's input caused (judged by the breaker section), a 4xx and a long prefill do not "
+        "count."
     )
     eject_base_seconds: float = Field(5.0, gt=0, description="First ejection period; doubles per re-ejection.")
     eject_max_seconds: float = Field(120.0, gt=0, description="Cap of the ejection period.")
