@@ -1,6 +1,7 @@
 """The composition root: ``create_app()`` builds every part of a running appliance and wires them together.
 
     fleet (engine replicas) -> gateway (router, admission, proxy, engine-load poller)
+                            -> batch (OpenAI's Batch API: its lines through the gateway, on idle capacity)
                             -> collectors (read the replicas and the gateway's engine readings)
                             -> maintenance (reads the data path through DataPathView; acts on replicas)
     FastAPI app: the gateway's routes, maintenance's routes, /admin/status; errors mapped to HTTP here
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance import status, version
 from appliance.collectors import register_collectors
+from appliance.composition.batch import build_batch, upload_limits
 from appliance.composition.gateway import build_gateway
 from appliance.composition.maintenance import build_maintenance
 from appliance.context import AppContext, LiveState
@@ -74,8 +76,12 @@ def create_app(
         if fleet is not None:
             await fleet.start()
         gateway.poller.start()
+        if gateway.kv_events is not None:
+            gateway.kv_events.start()
         gateway.event_loop.start()
         maintenance.start()
+        if batch is not None:
+            batch.start()
         # What is alive now (modules, the app, the settings: ~100k objects) lives as long as the app: frozen, the
         # collector's full passes skip it. Each full pass over it held the event loop ~30 ms, now and then, in the
         # middle of relaying streams and answering first tokens. Thawed at shutdown.
@@ -84,9 +90,13 @@ def create_app(
             yield
         finally:
             gc.unfreeze()
+            if batch is not None:  # first: no batch line is in flight when the engines stop
+                await batch.stop()
             await maintenance.stop()
             await gateway.event_loop.stop()
             await gateway.poller.stop()
+            if gateway.kv_events is not None:
+                await gateway.kv_events.stop()
             if fleet is not None:
                 await fleet.stop()
             await gateway.upstream.close()
@@ -96,6 +106,7 @@ def create_app(
                   **api_docs_urls(settings.all_api_keys))
     keyring = Keyring(settings.credentials)
     live = LiveState(settings, keyring=keyring)
+    batch = build_batch(settings, gateway, registry, draining=lambda: live.draining)
 
     def apply_hot(new: Settings) -> None:
         """``appliance reload`` of tenants, keys and tokens, at once: the gateway's directory, quotas and
@@ -112,13 +123,13 @@ def create_app(
     app.state.context = AppContext(
         live=live, gateway=gateway, fleet=fleet, replicas=replicas, registry=registry, maintenance=maintenance,
         fleet_status=status.FleetStatus(settings, gateway, maintenance), body_budget=body_budget,
-        started_at=time.time())
+        started_at=time.time(), batch=batch.service if batch is not None else None)
     install_error_handlers(app, on_error=gateway.count_unproxied,
                            translate={MaintenanceError: maintenance_api_error})
     app.add_middleware(RequestIntake, credentials=keyring.current,
                        max_bytes=settings.gateway.max_request_bytes,
                        body_timeout=settings.intake.body_timeout_seconds, budget=body_budget,
-                       on_reject=gateway.metrics.count_unproxied)
+                       on_reject=gateway.metrics.count_unproxied, limits=upload_limits(settings))
     for route in (*data_routes(settings.role), maintenance_routes.router, maintenance_routes.lease_router,
                   status.router):
         app.include_router(route)
@@ -129,7 +140,7 @@ def data_routes(role: str) -> tuple[APIRouter, ...]:
     """The gateway's routes; a node pod's own gateway serves no /v1: clients reach its engines through the gateway
     pods, past their keys and quotas, and a node holds no API key to check them with (docs/security.md)."""
     if role == "node":
-        return tuple(route for route in gateway_routes.ROUTERS if route is not gateway_routes.openai.router)
+        return tuple(route for route in gateway_routes.ROUTERS if route not in gateway_routes.CLIENT_ROUTERS)
     return gateway_routes.ROUTERS
 
 

@@ -296,6 +296,37 @@ class MaintenanceParts(Protocol):
         ...
 
 
+# -- the Batch API -------------------------------------------------------------------------------------------------
+
+
+class BatchAPI(Protocol):
+    """OpenAI's Files and Batches APIs (``appliance.batch.service.BatchService``): what the routes in
+    ``appliance/gateway/routes/batches.py`` call. Per tenant (a tenant's name); ``tenant`` None on the batch calls is
+    every tenant's, and ``operator`` names each batch's tenant (the admin routes). Answers are JSON-ready OpenAI
+    objects; refusals are ``APIError``s."""
+
+    async def upload(self, tenant: str, purpose: str, filename: str, data: bytes) -> dict[str, Any]: ...
+
+    async def files(self, tenant: str, *, purpose: str | None = None, after: str | None = None, limit: int = 100,
+                    order: str = "desc") -> dict[str, Any]: ...
+
+    async def file(self, tenant: str, file_id: str) -> dict[str, Any]: ...
+
+    async def content(self, tenant: str, file_id: str) -> bytes: ...
+
+    async def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]: ...
+
+    async def create(self, tenant: str, *, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: dict[str, str] | None = None) -> dict[str, Any]: ...
+
+    async def batch(self, tenant: str | None, batch_id: str, *, operator: bool = False) -> dict[str, Any]: ...
+
+    async def batches(self, tenant: str | None, *, after: str | None = None, limit: int = 20,
+                      status: str | None = None, operator: bool = False) -> dict[str, Any]: ...
+
+    async def cancel(self, tenant: str | None, batch_id: str, *, operator: bool = False) -> dict[str, Any]: ...
+
+
 # -- above the gateway and maintenance ------------------------------------------------------------------------------
 
 
@@ -357,6 +388,7 @@ class AppContext:
     fleet_status: StatusView
     body_budget: BodyBudgetView
     started_at: float  # time.time() when the app was built: /v1/models' ``created``
+    batch: BatchAPI | None = None  # /v1/files and /v1/batches; None: off (batch.enabled) or a node pod
 
 
 def context_of(app: Starlette) -> AppContext:

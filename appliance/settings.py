@@ -1,7 +1,8 @@
 """The appliance's one settings object: a composition of sections, each owned by the package it configures
-(``gateway``, ``routing``, ``admission``, ``intake``: appliance.gateway.settings; ``engine``, ``discovery``:
-appliance.engine.settings; ``collectors``, ``maintenance``, ``monitoring``, ``tenants``: their packages), plus the
-few keys that say what the appliance serves and how it runs (model, replicas, device, role, state_dir, log_level).
+(``gateway``, ``routing``, ``admission``, ``intake``, ``breaker``: appliance.gateway; ``engine``, ``discovery``:
+appliance.engine.settings; ``collectors``, ``maintenance``, ``monitoring``, ``tenants``, ``batch``: their
+packages), plus the few keys that say what the appliance serves and how it runs (model, replicas, device, role,
+state_dir, log_level).
 
 Sources, lowest to highest precedence: defaults, an optional YAML file (``--config``), then environment variables
 ``APPLIANCE_<KEY>`` (section keys as ``APPLIANCE_<SECTION>__<KEY>``), then explicit arguments. Invalid values fail
@@ -32,9 +33,11 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from appliance.batch.settings import BatchSettings
 from appliance.collectors.settings import CollectorSettings
 from appliance.engine.settings import DiscoverySettings, EngineSettings
 from appliance.gateway.admission.settings import AdmissionSettings
+from appliance.gateway.breaker.settings import BreakerSettings
 from appliance.gateway.intake.settings import IntakeSettings
 from appliance.gateway.routing.settings import RoutingSettings
 from appliance.gateway.settings import GatewaySettings
@@ -209,6 +212,8 @@ class Settings(BaseSettings):
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     intake: IntakeSettings = Field(default_factory=IntakeSettings)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
     # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
     # reads again. None for settings built in code.
     _source: SettingsSource | None = PrivateAttr(default=None)

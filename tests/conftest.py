@@ -46,6 +46,9 @@ def _no_host_probe_in_unit_tests(request: pytest.FixtureRequest, monkeypatch: py
     harness passes no APPLIANCE_ variable of this process on) probe as in production."""
     if request.node.get_closest_marker("engine") is None and request.node.get_closest_marker("compose") is None:
         monkeypatch.setenv("APPLIANCE_COLLECTORS__PROBE_BANDWIDTH", "false")
+        # Nor do they run batches: an app on the default state_dir (./var) would resume the batches a local
+        # `appliance up` left there, against the test's fake engines. The Batch API's own tests turn it on.
+        monkeypatch.setenv("APPLIANCE_BATCH__ENABLED", "false")
 
 
 @pytest.fixture

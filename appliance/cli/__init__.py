@@ -21,6 +21,7 @@ from appliance.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
 COMMANDS = (
     "appliance.cli.serve",
     "appliance.cli.admin",
+    "appliance.cli.batches",
     "appliance.cli.model",
     "appliance.cli.loadtest",
     "appliance.monitoring.snapshot",

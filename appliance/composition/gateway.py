@@ -8,11 +8,14 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
+from appliance.composition.prefix_cache import PreciseRouting, build_precise_routing
 from appliance.engine.contract import Replica
 from appliance.engine.guard import engine_authorization
 from appliance.engine.load import EngineLoadPoller
 from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
 from appliance.gateway.admission.queue import Admission
+from appliance.gateway.breaker.circuit import Breaker, BreakerCollector
+from appliance.gateway.breaker.hook import ShapeBreaker
 from appliance.gateway.core import Gateway
 from appliance.gateway.migration.hook import Migration
 from appliance.gateway.observation.event_loop import EventLoopLag
@@ -23,10 +26,13 @@ from appliance.gateway.observation.recording import Recording
 from appliance.gateway.observation.records import RequestRecords
 from appliance.gateway.observation.tracing import build_tracer_provider
 from appliance.gateway.routing.router import Router
+from appliance.gateway.routing.scorers import PrefixScorer
 from appliance.gateway.settings import GatewaySettings
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
+from appliance.gateway.tenants.isolation import CacheIsolation
 from appliance.gateway.tenants.metering import Metering
+from appliance.gateway.tenants.priority import EnginePriority, reported_policy
 from appliance.gateway.tenants.quota import Quotas
 from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.upstream.exchange import Hook
@@ -37,7 +43,10 @@ from appliance.settings import Settings
 def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]], registry: CollectorRegistry,
                   span_exporter: SpanExporter | None = None) -> Gateway:
     limits = ConcurrencyLimits(_limit_factory(settings))
-    router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry)
+    precise = build_precise_routing(settings, replicas)  # None: approximate prefix routing
+    router = Router(replicas, settings.routing, limit_for=limits.limit_of, registry=registry,
+                    affinity_scorer=precise.affinity_scorer if precise is not None else PrefixScorer)
+    precise = _in_use(precise, router, registry)
     admission = Admission(router, limits, max_queue=settings.admission.max_queue if settings.admission.enabled
                           else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds,
                           drift_seconds=settings.admission.slot_drift_seconds,
@@ -57,13 +66,22 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     # reverse): observation first, so it sees every other hook's doing and the client's bytes last; migration
     # next to the record, nearest the engine, so the others see the continued stream as the client gets it; the
     # record last on the request's side, so it sees every decision made before it. Revocation (streams only) is
-    # nearest the engine: when a reload removes a tenant, its break must be resolved before migration's.
+    # nearest the engine: when a reload removes a tenant, its break must be resolved before migration's. Cache
+    # isolation salts the tenant's prompt before routing reads it and before migration keeps the body it continues;
+    # engine priority writes each attempt's priority before it goes out (a continuation's too). The shape breaker
+    # is next nearest the engine: it judges an engine's error event, and a stream silent past the idle timeout,
+    # before migration would continue it elsewhere.
     revocation = Revocation()
+    breaker = _shape_breaker(settings, router, registry)
     hooks: list[Hook] = [Observation(request_metrics, tracer_provider.get_tracer("appliance.gateway"),
                          tracing=_records_traces(settings.gateway, span_exporter)),
-             Metering(accounting, quotas, admission),
+             CacheIsolation(tenants, settings.gateway.engine_key),
+             *([precise.hook] if precise is not None else []),  # tokenizes the prompt once its salt is set
+             EnginePriority(admission, reported_policy(router.loads)),
+             Metering(accounting, quotas, admission, max_model_len=settings.engine.max_model_len),
              migration,
              Recording(records),
+             breaker,
              revocation]
     upstream = Upstream(admission, hooks,
                         timeout_seconds=settings.gateway.request_timeout_seconds,
@@ -71,13 +89,42 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                         connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds,
                         engine_headers=engine_authorization(settings.gateway.engine_key))
     migration.placement = upstream
+    breaker.probe = upstream
     registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
                                      upstream.open_requests))
     poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
                               on_poll=admission.on_poll)
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
-                   event_loop, records=records, revocation=revocation)
+                   event_loop, records=records, revocation=revocation,
+                   kv_events=precise.hub if precise is not None else None)
+
+
+def _in_use(precise: PreciseRouting | None, router: Router, registry: CollectorRegistry) -> PreciseRouting | None:
+    """Precise prefix routing as the router uses it (its metrics registered), or None where the policy has no
+    prefix scorer (round robin, prefix weight 0): then nothing is subscribed or tokenized."""
+    if precise is None:
+        return None
+    if precise.scorer is None or router.policy.prefix is not precise.scorer:
+        if precise.hub.tokenizer is not None:
+            precise.hub.tokenizer.close()
+        return None
+    precise.register(registry)
+    return precise
+
+
+def _shape_breaker(settings: Settings, router: Router, registry: CollectorRegistry) -> ShapeBreaker:
+    """The shape breaker (appliance.gateway.breaker) and its metrics; with it on, the router leaves the engines'
+    error answers to its verdict."""
+    section = settings.breaker
+    breaker = Breaker(section) if section.enabled else None
+    router.server_errors_judged = breaker is not None
+    hook = ShapeBreaker(breaker, router, long_prefill=section.long_prefill_health,
+                        health_timeout_seconds=settings.engine.health_timeout_seconds,
+                        idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds)
+    if breaker is not None:
+        registry.register(BreakerCollector(breaker, hook.counted))
+    return hook
 
 
 def _records_traces(settings: GatewaySettings, exporter: SpanExporter | None) -> bool:

@@ -5,7 +5,8 @@
    (appliance/http/auth.py, the same constant-time matching the routes' dependencies use): a stranger gets 401
    before one byte of its body is read, so it cannot make the gateway buffer anything; a request with more than
    one Authorization header gets 401 on every path, since which one a check would read is ambiguous;
-3. refuses a declared Content-Length over ``max_request_bytes`` (413);
+3. refuses a declared Content-Length over ``max_request_bytes`` (413), or over a path's own limit (``limits``:
+   /v1/files takes batch files up to ``batch.max_file_bytes``);
 4. takes the body's bytes from the global body budget (``intake.body_budget_bytes``): the declared length up
    front, a chunked body as it arrives; what does not fit is 503 with Retry-After;
 5. while the app reads the body: counts it against ``max_request_bytes`` (413, chunked uploads too), and cuts it
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,8 +52,8 @@ class IntakeRefusal(HTTPException):
 
 
 class BodyTooLarge(IntakeRefusal):
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, too_large_message(max_bytes), "request_too_large")
+    def __init__(self, max_bytes: int, setting: str = "max_request_bytes") -> None:
+        super().__init__(413, too_large_message(max_bytes, setting), "request_too_large")
 
 
 class BodyTimeout(IntakeRefusal):
@@ -67,8 +69,8 @@ class BodyBudgetExhausted(IntakeRefusal):
                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def too_large_message(max_bytes: int) -> str:
-    return f"request body exceeds {max_bytes} bytes (max_request_bytes)"
+def too_large_message(max_bytes: int, setting: str = "max_request_bytes") -> str:
+    return f"request body exceeds {max_bytes} bytes ({setting})"
 
 
 class BodyBudget:
@@ -92,9 +94,10 @@ class BodyBudget:
 class _Body:
     """One request's body as the app reads it: counted, timed, and paid for from the budget."""
 
-    def __init__(self, receive: Receive, intake: RequestIntake, held: int) -> None:
+    def __init__(self, receive: Receive, intake: RequestIntake, held: int, limit: BodyLimit) -> None:
         self._receive = receive
         self._intake = intake
+        self._limit = limit
         self._deadline = asyncio.get_running_loop().time() + intake.body_timeout
         self.held = held
         self.received = 0
@@ -114,9 +117,9 @@ class _Body:
             self.release()
             return message
         self.received += len(message.get("body", b""))
-        if self.received > self._intake.max_bytes:
+        if self.received > self._limit.max_bytes:
             self.release()
-            raise BodyTooLarge(self._intake.max_bytes)
+            raise BodyTooLarge(*self._limit)
         if self.received > self.held:  # no Content-Length: paid for as it arrives
             if not self._intake.budget.take(self.received - self.held):
                 self.release()
@@ -132,12 +135,22 @@ class _Body:
         self.held = 0
 
 
+class BodyLimit(NamedTuple):
+    """The largest body a path takes, and the setting that says so (named in the 413)."""
+
+    max_bytes: int
+    setting: str
+
+
 class RequestIntake:
     def __init__(self, app: ASGIApp, max_bytes: int, *, credentials: Callable[[], Credentials], body_timeout: float,
-                 budget: BodyBudget, on_reject: ErrorHook | None = None) -> None:
+                 budget: BodyBudget, on_reject: ErrorHook | None = None,
+                 limits: Mapping[str, BodyLimit] | None = None) -> None:
+        """``limits``: paths whose bodies have a limit of their own instead of ``max_bytes`` (batch uploads)."""
         self.app = app
         self.credentials = credentials  # the live ones (a reload replaces the keys the key check reads)
         self.max_bytes = max_bytes
+        self.limits = dict(limits or {})
         self.body_timeout = body_timeout
         self.budget = budget
         self.on_reject = on_reject
@@ -159,13 +172,14 @@ class RequestIntake:
             return
         declared = headers.get(b"content-length")
         size = int(declared) if declared is not None and declared.isdigit() else None
-        if size is not None and size > self.max_bytes:
-            await self._answer(scope, receive, send, BodyTooLarge(self.max_bytes).as_api_error())
+        limit = self.limits.get(route_path(scope)) or BodyLimit(self.max_bytes, "max_request_bytes")
+        if size is not None and size > limit.max_bytes:
+            await self._answer(scope, receive, send, BodyTooLarge(*limit).as_api_error())
             return
         if size and not self.budget.take(size):
             await self._answer(scope, receive, send, BodyBudgetExhausted(self.budget.limit).as_api_error())
             return
-        body = _Body(receive, self, held=size or 0)
+        body = _Body(receive, self, held=size or 0, limit=limit)
         try:
             # `send` is passed through unwrapped: it runs once per streamed chunk. The gateway's routes read the
             # whole body before answering, so a refused body is always caught before the response starts.

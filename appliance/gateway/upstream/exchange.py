@@ -40,6 +40,7 @@ class Exchange:
     request: Request
     routing: RoutingRequest
     tenant: Tenant = DEFAULT_TENANT  # whose request (the API key's tenant; appliance.gateway.tenants)
+    background: bool = False  # batch work (appliance.batch): idle capacity only, never queued
     hooks: HookChain = field(default_factory=lambda: HookChain(()))
     trace: RequestTrace = UNTRACED  # the request's spans (the observation hook's; untraced without it)
     tried: set[str] = field(default_factory=set)
@@ -64,6 +65,20 @@ class Exchange:
                 value = False
             self._parsed = value if isinstance(value, dict) else False
         return self._parsed or None
+
+    def override(self, key: str, value: Any) -> None:
+        """Set ``key`` of the body the engine gets, whatever the client sent there: appended to the client's bytes
+        (the last key wins in vLLM's JSON parser, so nothing else of the client's bytes changes) and written into
+        ``parsed`` (a continuation built from it carries the same value)."""
+        parsed = self.parsed()
+        if parsed is None:
+            return
+        parsed[key] = value
+        end = self.body.rstrip().rfind(b"}")
+        head = self.body[:end].rstrip()
+        separator = b"" if head.endswith(b"{") else b","
+        self.body = (head + separator + json.dumps(key).encode() + b":"
+                     + json.dumps(value, separators=(",", ":")).encode() + b"}")
 
     def reported(self, usage: object) -> None:
         """One engine usage report for this request (a continued stream has one per leg)."""

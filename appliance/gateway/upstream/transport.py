@@ -29,13 +29,17 @@ from appliance.gateway.tenants.directory import DEFAULT as DEFAULT_TENANT
 from appliance.gateway.upstream.client import ClientGone, RelayedStream, unless_client_leaves
 from appliance.gateway.upstream.exchange import Exchange, Hook
 from appliance.gateway.upstream.failures import (
+    ENGINE_ERROR_REASON,
     RETRYABLE_STATUS,
     SHUTDOWN_EVENT,
     UPSTREAM_ERRORS,
+    ConfirmElsewhere,
     RerunElsewhere,
     RetryableUpstreamError,
+    answer_outcome,
     dropped_connection,
     error_event,
+    error_message,
     failure_outcome,
     never_reached_engine,
     upstream_failure,
@@ -115,11 +119,12 @@ class Upstream:
     # -- one request ----------------------------------------------------------------------------------------------
 
     async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
-                      arrived: float, prompt: str | None = None) -> Response:
+                      arrived: float, prompt: str | None = None, background: bool = False) -> Response:
+        """``background``: batch work (appliance.batch), admitted on idle capacity only and never queued."""
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
                             request=request, routing=RoutingRequest(prompt or ""),
-                            tenant=getattr(request.state, "tenant", DEFAULT_TENANT))
+                            tenant=getattr(request.state, "tenant", DEFAULT_TENANT), background=background)
         self._open.add(exchange)
         try:
             exchange.hooks = HookChain([h for hook in self.hooks if (h := hook.start(exchange)) is not None])
@@ -145,6 +150,8 @@ class Upstream:
                 self._open.discard(exchange)
 
     async def _forward_with_retry(self, exchange: Exchange) -> Response:
+        if exchange.routing.preparing is not None:  # the prompt's tokens, for precise prefix routing
+            await exchange.routing.preparing
         last_error = "no attempt"
         attempts = 0
         kind = "first"
@@ -154,7 +161,7 @@ class Upstream:
             await (self.admit_patiently(exchange, kind) if patient else self.admit(exchange, kind))
             replica = exchange.replica
             try:
-                return await self._send(exchange)
+                return await self._send(exchange, confirmable=attempts + 1 < self.max_attempts)
             except RerunElsewhere as exc:
                 kind, last_error = "rerun", str(exc)
                 reason = migration.DRAIN if draining(replica) else migration.CONNECTION
@@ -172,9 +179,10 @@ class Upstream:
                                 replica.name, exc)
                     continue
                 attempts += 1
-                kind = "retry"
+                kind = "confirm" if isinstance(exc, ConfirmElsewhere) else "retry"
                 exchange.tried.add(replica.name)
-                log.warning("%s failed before first byte (%s); retrying elsewhere", replica.name, exc)
+                log.warning("%s failed before first byte (%s); %s elsewhere", replica.name, exc,
+                            "confirming" if kind == "confirm" else "retrying")
                 if not self.admission.router.any_eligible(exchange.tried):
                     if not self._routable_besides(exchange.tried):
                         break
@@ -186,7 +194,12 @@ class Upstream:
         queued_at = time.monotonic()
         exchange.routing.decision = None  # the router explains the decision that gives this attempt its slot
         try:
-            lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing, tenant=exchange.tenant)
+            if exchange.background:
+                lease = self.admission.acquire_idle(frozenset(exchange.tried), exchange.routing,
+                                                    tenant=exchange.tenant)
+            else:
+                lease = await self.admission.acquire(frozenset(exchange.tried), exchange.routing,
+                                                     tenant=exchange.tenant)
         finally:
             waited = time.monotonic() - queued_at
             exchange.hooks.queued(waited)
@@ -230,7 +243,20 @@ class Upstream:
             timeout=self._stream_timeout if exchange.stream else self._timeout)
         return exchange.upstream
 
-    async def _send(self, exchange: Exchange) -> Response:
+    async def answers_health(self, replica: Replica, timeout_seconds: float) -> bool:
+        """Whether the engine answers /health with 200 within ``timeout_seconds`` (engines answer /health without
+        the engine key): what the shape breaker asks of a replica that sent no first byte in time."""
+        assert self._session is not None, "Upstream.open() not called"
+        try:
+            async with self._session.get(replica.url + "/health",
+                                         timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as answer:
+                return answer.status == 200
+        except UPSTREAM_ERRORS:
+            return False
+
+    async def _send(self, exchange: Exchange, *, confirmable: bool = False) -> Response:
+        """One attempt. ``confirmable``: an error answer of the engine's own may be tried once more elsewhere (an
+        attempt is left for it)."""
         try:
             upstream = await self.post(exchange, exchange.path, exchange.body)
         except UPSTREAM_ERRORS as exc:
@@ -249,7 +275,7 @@ class Upstream:
                 media_type=upstream.headers.get("content-type", "text/event-stream"),
                 headers=self._response_headers(exchange),
             )
-        return await self._read_whole(exchange)
+        return await self._read_whole(exchange, confirmable)
 
     @staticmethod
     def _response_headers(exchange: Exchange) -> dict[str, str]:
@@ -269,7 +295,7 @@ class Upstream:
         self._finish(exchange, 499, Outcome.ABORTED, answered=True)
         self._open.discard(exchange)
 
-    async def _read_whole(self, exchange: Exchange) -> Response:
+    async def _read_whole(self, exchange: Exchange, confirmable: bool = False) -> Response:
         upstream, replica = exchange.upstream, exchange.replica
         assert upstream is not None
         try:
@@ -285,16 +311,30 @@ class Upstream:
                 raise RerunElsewhere(type(exc).__name__) from exc
             exchange.end_attempt(failure_outcome(exc), type(exc).__name__)
             raise upstream_failure(exc) from exc
-        outcome = Outcome.SUCCESS if upstream.status < 400 else Outcome.CLIENT_ERROR
-        if upstream.status >= 500:
-            outcome = Outcome.FAILURE
+        outcome = answer_outcome(upstream.status, content)
         exchange.settle(outcome)
+        if outcome is Outcome.SERVER_ERROR:
+            self._judge_error_answer(exchange, upstream.status, error_message(content), confirmable)
         block = Block(content, content, time.monotonic())
         if outcome is Outcome.SUCCESS:
             exchange.hooks.relayed(block)
         return Response(content=block.out, status_code=upstream.status,
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers=self._response_headers(exchange))
+
+    def _judge_error_answer(self, exchange: Exchange, status: int, message: str, confirmable: bool) -> None:
+        """An engine's own error answer, nothing sent to the client yet: the hooks hear it; a hook that finds the
+        input at fault ends the request with its error; else, when a hook judges such answers, the request is tried
+        once more elsewhere to tell the input's fault from the engine's (``ConfirmElsewhere``). Otherwise the
+        client gets the engine's answer, as it came."""
+        replica = exchange.attempt.replica
+        exchange.end_attempt(Outcome.SERVER_ERROR, f"{ENGINE_ERROR_REASON}HTTP {status}, {message}")
+        blamed = exchange.hooks.judge_error(exchange.attempt)
+        if blamed is not None:
+            raise blamed
+        if (confirmable and exchange.hooks.judges_errors
+                and self.admission.router.any_eligible(exchange.tried | {replica})):
+            raise ConfirmElsewhere(f"HTTP {status}")
 
     # -- the relay ------------------------------------------------------------------------------------------------
 
@@ -339,7 +379,7 @@ class Upstream:
                 except (StreamBreak, *UPSTREAM_ERRORS) as exc:
                     if held := hooks.held():  # e.g. a finish held for a usage event that never came
                         yield held
-                    resolution = await self._resolve(exchange, exc, upstream, replica)
+                    resolution = await self._resolve(exchange, exc, upstream, replica, silent=leg_first is None)
                     if resolution.out:
                         yield resolution.out
                     if not resolution.resumed:
@@ -355,13 +395,14 @@ class Upstream:
             self._finish(exchange, status, outcome, answered=True)
 
     async def _resolve(self, exchange: Exchange, exc: BaseException, upstream: aiohttp.ClientResponse,
-                       replica: Replica) -> Resolution:
+                       replica: Replica, *, silent: bool = False) -> Resolution:
         """A leg broke: a cut by the gateway ends the stream with the shutdown event (not the replica's fault);
-        otherwise the hooks resolve the break (a continuation elsewhere), or it ends with an error event."""
+        otherwise the hooks resolve the break (a continuation elsewhere), or it ends with an error event.
+        ``silent``: the leg had relayed nothing."""
         if upstream in self._cut:
             return Resolution(SHUTDOWN_EVENT, Outcome.ABORTED, 503)
         self._streams.discard(upstream)  # no longer relayed: a cut now ends a wait instead
-        brk = Break(exc, replica.name, break_reason(exc, replica), time.monotonic())
+        brk = Break(exc, replica.name, break_reason(exc, replica), time.monotonic(), silent)
         return await exchange.hooks.broke(brk) or _unresolved(exc, replica)
 
     def _finish(self, exchange: Exchange, status: int, outcome: Outcome, *, answered: bool = False) -> None:

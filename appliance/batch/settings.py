@@ -1,0 +1,66 @@
+"""The ``batch`` section: OpenAI's Batch API on idle capacity (``appliance.batch``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UPLOAD_FRAMING_BYTES = 1 << 20  # an upload's body: the file, plus the multipart form's framing and other fields
+
+
+class BatchSettings(BaseModel):
+    """Offline work (evaluation sets, nightly summaries) sent as OpenAI batches, run only on the capacity
+    interactive traffic leaves: where its state lives, what an upload may hold, and how batch lines yield."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True, description="Serve /v1/files and /v1/batches and run batches on idle capacity. Off: those routes "
+        "answer 404 and nothing is run (batches already stored wait until it is on again)."
+    )
+    database: Path | None = Field(
+        None, description="The SQLite database of files, batches and each line's result. Unset: "
+        "state_dir/batch/batch.sqlite3. Created on the first upload; an appliance that never saw a batch writes "
+        "nothing."
+    )
+    files_dir: Path | None = Field(
+        None, description="Where uploaded and result files are kept (one file each, written atomically). Unset: "
+        "state_dir/batch/files."
+    )
+    max_file_bytes: int = Field(
+        16_777_216, ge=1024, description="Largest file /v1/files accepts (400 file_too_large beyond it); the "
+        "upload's body may exceed it by 1 MiB of multipart framing, and never intake.body_budget_bytes (413)."
+    )
+    max_lines: int = Field(50_000, ge=1, description="Most request lines one batch may hold (400 beyond it).")
+    max_completion_window_hours: int = Field(
+        24, ge=1, description="Longest completion_window a batch may ask for, as \"<N>h\" (OpenAI's is \"24h\"). "
+        "Past its window a batch expires with what is done: outputs for the lines answered, batch_expired errors "
+        "for the rest."
+    )
+    max_concurrency: int = Field(
+        4, ge=1, description="Batch lines in flight at once, all batches together: the most slots batch work "
+        "holds when the fleet is idle."
+    )
+    headroom_fraction: float = Field(
+        0.25, ge=0, lt=1, description="Share of each replica's adaptive limit (admission) kept free for "
+        "interactive requests: a batch line is sent to a replica only while its requests in flight are below "
+        "limit x (1 - headroom_fraction), and only while no request waits in the admission queue."
+    )
+    preempt: bool = Field(
+        True, description="When an interactive request has to wait in the admission queue, give back every batch "
+        "line in flight at once (the engine aborts it; the line runs again later). Off: lines in flight finish, "
+        "only new ones wait."
+    )
+    backoff_seconds: float = Field(
+        2.0, gt=0, description="After a preemption, or when no capacity was idle, how long batch work waits before "
+        "it tries again; a failed line (5xx) waits this long times 2^attempt."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Tries per line on a server error (500, 502, 504) before its error goes to the error "
+        "file. 429 and 503 (no room now, draining) are not tries: the line waits and runs later."
+    )
+    poll_seconds: float = Field(
+        0.5, gt=0, description="How often the batch runner looks for work, expiries and cancellations when nothing "
+        "woke it (an upload, a finished line, a cancel wake it at once)."
+    )

@@ -1,0 +1,101 @@
+"""The Batch API's storage, as a Protocol: the one thing a server database (PostgreSQL) would implement to take
+SQLite's place (``sqlite.py``).
+
+Every method is one transaction, so a process killed at any moment leaves each batch as it was before the call or
+after it. Two guarantees the rest relies on:
+
+- a line's result is recorded once: ``record_results`` writes only lines still pending, and says which it wrote,
+  so a line answered twice (sent again after a crash, or while its batch expired) lands in its file once;
+- status changes are guarded (``transition`` names the statuses it moves from), so two writers (the API's cancel,
+  the runner's completion) cannot both win.
+
+``tenant`` arguments scope a read or delete to one tenant (None: every tenant, for the admin view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from appliance.batch.model import BatchRecord, FileRecord, LineInput, LineResult, PendingLine, Status, Summary
+
+
+class BatchStore(Protocol):
+    # -- files ----------------------------------------------------------------------------------------------------
+
+    def add_file(self, record: FileRecord) -> None: ...
+
+    def get_file(self, file_id: str, tenant: str | None) -> FileRecord | None: ...
+
+    def list_files(self, tenant: str, *, purpose: str | None, after: str | None, limit: int,
+                   newest_first: bool) -> list[FileRecord]:
+        """Files ordered by creation (then id), from just past ``after`` (an id), at most ``limit``."""
+        ...
+
+    def delete_file(self, file_id: str, tenant: str) -> FileRecord | None:
+        """Forget the file; returns what was forgotten (None: no such file of this tenant)."""
+        ...
+
+    def file_ids(self) -> set[str]:
+        """Every file the store knows: what is on disk and not here is an orphan of a crash."""
+        ...
+
+    # -- batches --------------------------------------------------------------------------------------------------
+
+    def create_batch(self, batch: BatchRecord, lines: Sequence[LineInput]) -> None:
+        """The batch and all its lines at once; lines with a result (malformed) count as failed already."""
+        ...
+
+    def get_batch(self, batch_id: str, tenant: str | None) -> BatchRecord | None: ...
+
+    def list_batches(self, tenant: str | None, *, status: Status | None, after: str | None,
+                     limit: int) -> list[BatchRecord]:
+        """Newest first, from just past ``after`` (an id), at most ``limit``."""
+        ...
+
+    def active_batches(self) -> list[BatchRecord]:
+        """Batches not ended, oldest first: the runner's work."""
+        ...
+
+    def transition(self, batch_id: str, to: Status, at: int, *, sources: Collection[Status],
+                   outcome: Status | None = None) -> BatchRecord | None:
+        """Move the batch to ``to`` (stamping ``<to>_at``) if its status is one of ``sources``; ``outcome``: what a
+        finalizing or cancelling batch will end as. Returns the batch as it is now, or None if it did not move."""
+        ...
+
+    def finish(self, batch_id: str, to: Status, at: int, *, output: FileRecord | None, error: FileRecord | None,
+               errors: list[dict[str, object]] | None = None) -> BatchRecord | None:
+        """End a finalizing or cancelling batch: its result files recorded (None: no line went to that file), its
+        status set and its lines dropped (their results are in the files), in one transaction. None: the batch was
+        not finalizing or cancelling."""
+        ...
+
+    def fail(self, batch_id: str, at: int, errors: list[dict[str, object]]) -> BatchRecord | None:
+        """A validating or in-progress batch that cannot go on: ``failed`` with ``errors``, its lines dropped.
+        None: the batch was not running."""
+        ...
+
+    # -- lines ----------------------------------------------------------------------------------------------------
+
+    def pending_lines(self, batch_id: str, *, now: float, exclude: Collection[int], limit: int | None
+                      ) -> list[PendingLine]:
+        """Lines not yet answered and not waiting for a retry at ``now``, in input order, leaving out ``exclude``
+        (the lines in flight); all of them when ``limit`` is None."""
+        ...
+
+    def record_results(self, batch_id: str, results: Sequence[tuple[int, LineResult]]) -> list[int]:
+        """Record each line's result if it is still pending, with the batch's counts and usage; returns the lines
+        it recorded (a line answered already is left as it was)."""
+        ...
+
+    def defer_line(self, batch_id: str, index: int, *, attempts: int, not_before: float) -> None:
+        """A line that failed with a server error: tried ``attempts`` times, not sent again before ``not_before``."""
+        ...
+
+    def results(self, batch_id: str, kind: str) -> list[str]:
+        """The result lines of one file (output or error), in input order."""
+        ...
+
+    def summary(self) -> Summary: ...
+
+    def close(self) -> None: ...
