@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from appliance.app import create_app
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.gateway.live import app_clients
 
 KEYS = {"team-a": "key-a", "team-b": "key-b"}
 ADMIN = "batch-admin"
@@ -82,18 +82,7 @@ def settings(tmp_path: Any, **overrides: Any) -> Settings:
 
 @pytest.fixture
 def make_batch_client(replicas: list[FakeReplica], tmp_path: Any) -> Iterable[Callable[..., TestClient]]:
-    clients = []
-
-    def make(**overrides: Any) -> TestClient:
-        client = TestClient(create_app(settings(tmp_path, **overrides), replicas=lambda: replicas),
-                            raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    yield from app_clients(replicas, lambda **overrides: settings(tmp_path, **overrides))
 
 
 @pytest.fixture

@@ -1,9 +1,8 @@
 import pytest
-from fastapi.testclient import TestClient
 
-from appliance.app import create_app
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
+from tests.gateway.live import app_clients
 
 
 @pytest.fixture
@@ -13,18 +12,7 @@ def replicas(stubs):
 
 @pytest.fixture
 def make_client(replicas):
-    clients = []
-
-    def make(**overrides) -> TestClient:
-        settings = Settings(served_model_name="demo", **overrides)
-        client = TestClient(create_app(settings, replicas=lambda: replicas), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    yield from app_clients(replicas, lambda **overrides: Settings(served_model_name="demo", **overrides))
 
 
 @pytest.fixture

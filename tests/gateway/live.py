@@ -8,13 +8,34 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
+from appliance.app import create_app
+from appliance.engine.contract import Replica
 from appliance.serve import in_flight
+from appliance.settings import Settings
+
+
+def app_clients(replicas: Sequence[Replica], settings: Callable[..., Settings]) -> Iterator[Callable[..., TestClient]]:
+    """A fixture's body (``yield from``): ``make(**overrides)`` opens a TestClient on an app over ``replicas`` with
+    ``settings(**overrides)``; every client it opened is closed (its lifespan ended) after the test."""
+    clients: list[TestClient] = []
+
+    def make(**overrides: Any) -> TestClient:
+        client = TestClient(create_app(settings(**overrides), replicas=lambda: replicas),
+                            raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
 
 
 class LiveGateway:

@@ -11,7 +11,6 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.breaker.hook import REFUSED_CODE, ShapeBreaker
 from appliance.gateway.routing.router import Router
@@ -19,6 +18,7 @@ from appliance.gateway.upstream.failures import ENGINE_DEAD
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.fake_engine import CountingModel, FakeEngine, Poison
+from tests.gateway.live import app_clients
 
 MARKER = "<<raise>>"
 POISONED = f"please {MARKER} now"
@@ -36,19 +36,9 @@ def engines():
 @pytest.fixture
 def gateway(engines):
     """make(**settings): a gateway over the three engines, routing round robin (replica-0 first)."""
-    clients: list[TestClient] = []
     fleet = [FakeReplica(f"replica-{i}", engine.url) for i, engine in enumerate(engines)]
-
-    def make(**overrides) -> TestClient:
-        settings = Settings(served_model_name="demo", routing={"scorers": {"policy": "round_robin"}}, **overrides)
-        client = TestClient(create_app(settings, replicas=lambda: fleet), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    yield from app_clients(fleet, lambda **overrides: Settings(
+        served_model_name="demo", routing={"scorers": {"policy": "round_robin"}}, **overrides))
 
 
 def router(client: TestClient) -> Router:
