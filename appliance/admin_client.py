@@ -225,7 +225,7 @@ def format_requests(body: dict[str, Any], now: float | None = None) -> str:
     for r in records:
         status = f"{r['status'] or '-'} {r['outcome'] or ''}".strip()
         moves = f"{r['retries']}/{len(r['migrations'])}"
-        lines.append(f"{r['id']:<{width}} {_age(now - r['arrived_at']):>5} {r['tenant'] or '-':<12} "
+        lines.append(f"{r['id']:<{width}} {age(now - r['arrived_at']):>5} {r['tenant'] or '-':<12} "
                      f"{_route(r['route']):<17} {r['replica'] or '-':<12} {r['decided_by'] or '-':<14} "
                      f"{_secs(r['queue_wait_seconds']):>7} {_secs(r['ttft_seconds']):>7} "
                      f"{_secs(r['e2e_seconds']):>7} {status:<12} {moves:>9}")
@@ -239,7 +239,7 @@ def format_request(record: dict[str, Any], now: float | None = None) -> str:
     replica considered, the filter that removed each one left out, each scorer's value), then its migrations."""
     now = time.time() if now is None else now
     lines = [f"request {record['id']}  {record['route']}  tenant {record['tenant'] or '-'}"
-             f"{'  stream' if record['stream'] else ''}  {_age(now - record['arrived_at'])} ago",
+             f"{'  stream' if record['stream'] else ''}  {age(now - record['arrived_at'])} ago",
              f"status {record['status'] or '-'} {record['outcome'] or ''}  queue wait "
              f"{_secs(record['queue_wait_seconds'])}  ttft {_secs(record['ttft_seconds'])}  "
              f"e2e {_secs(record['e2e_seconds'])}"]
@@ -294,7 +294,8 @@ def _secs(value: float | None) -> str:
     return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
 
 
-def _age(seconds: float) -> str:
+def age(seconds: float) -> str:
+    """How long ago, in its largest unit: 40s, 5m, 3h, 2d."""
     seconds = max(0.0, seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from appliance.cli.argtypes import http_url, non_negative_float, positive_int
-from appliance.cli.common import CLIError, add_command
+from appliance.cli.common import CLIError, add_command, admin_call
 from appliance.exit_codes import EXIT_USAGE
 
 
@@ -85,30 +85,17 @@ def _admin_flags(p: argparse.ArgumentParser) -> None:
                         "the admin-token file `appliance up` writes")
 
 
-def _call(url: str, method: str, path: str) -> dict[str, Any]:
-    """One admin call; its failures are one clear line on stderr: exit code 2 when there is no admin token to
-    send (nothing was tried), 1 when the appliance cannot be reached or refuses."""
-    from appliance import admin_client
-
-    if not admin_client.admin_token():
-        raise CLIError(admin_client.no_token_message(), EXIT_USAGE)
-    try:
-        return admin_client.call(url, method, path)
-    except admin_client.AdminError as exc:
-        raise CLIError(str(exc)) from None
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from appliance.admin_client import format_status
 
-    status = _call(args.url, "GET", "/admin/status")
+    status = admin_call(args.url, "GET", "/admin/status")
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
     action = "undrain" if args.undo else "drain"
-    result = _call(args.url, "POST", f"/admin/replicas/{args.replica}/{action}")
+    result = admin_call(args.url, "POST", f"/admin/replicas/{args.replica}/{action}")
     print(f"{result['name']}: {result['state']}, {result['outstanding']} request(s) in flight")
     return 0
 
@@ -117,14 +104,14 @@ def cmd_restart(args: argparse.Namespace) -> int:
     if bool(args.rolling) == bool(args.replica):
         raise CLIError("give a REPLICA or --rolling (not both)", EXIT_USAGE)
     path = "/admin/rolling-restart" if args.rolling else f"/admin/replicas/{args.replica}/restart"
-    result = _call(args.url, "POST", path)
+    result = admin_call(args.url, "POST", path)
     what = "rolling restart of " + ", ".join(result.get("replicas", [])) if args.rolling else args.replica
     print(f"{what}: accepted (each replica drains first); follow with `appliance status`")
     return 0
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    result = _call(args.url, "POST", "/admin/reload")
+    result = admin_call(args.url, "POST", "/admin/reload")
     if not result.get("changed"):
         print("reload: the configuration has no changes; nothing to do")
     elif not result.get("rolling_restart"):
@@ -143,9 +130,9 @@ def cmd_requests(args: argparse.Namespace) -> int:
         if any(value is not None for value in (args.tenant, args.replica, args.slow, args.status)):
             raise CLIError("--id shows one request: give it without --tenant, --replica, --slow or --status",
                            EXIT_USAGE)
-        record = _call(args.url, "GET", request_path(args.id))
+        record = admin_call(args.url, "GET", request_path(args.id))
         print(json.dumps(record, indent=2) if args.json else format_request(record))
         return 0
-    body = _call(args.url, "GET", requests_path(args.limit, args.tenant, args.replica, args.slow, args.status))
+    body = admin_call(args.url, "GET", requests_path(args.limit, args.tenant, args.replica, args.slow, args.status))
     print(json.dumps(body, indent=2) if args.json else format_requests(body))
     return 0

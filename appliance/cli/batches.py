@@ -9,9 +9,9 @@ import time
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from appliance.admin_client import age
 from appliance.cli.argtypes import http_url, positive_int
-from appliance.cli.common import CLIError, add_command
-from appliance.exit_codes import EXIT_USAGE
+from appliance.cli.common import add_command, admin_call
 
 MAX_LIMIT = 100  # what GET /admin/batches serves at once
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
@@ -54,27 +54,16 @@ def _limit(text: str) -> int:
 
 def cmd_batches(args: argparse.Namespace) -> int:
     if args.action in (None, "list"):
-        body = _call(args.url, "GET", batches_path(args.limit, args.tenant, args.status))
+        body = admin_call(args.url, "GET", batches_path(args.limit, args.tenant, args.status))
         print(json.dumps(body, indent=2) if args.json else format_batches(body))
     elif args.action == "show":
-        batch = _call(args.url, "GET", "/admin/batches/" + quote(args.batch_id, safe=""))
+        batch = admin_call(args.url, "GET", "/admin/batches/" + quote(args.batch_id, safe=""))
         print(json.dumps(batch, indent=2) if args.json else format_batch(batch))
     else:
-        batch = _call(args.url, "POST", "/admin/batches/" + quote(args.batch_id, safe="") + "/cancel")
+        batch = admin_call(args.url, "POST", "/admin/batches/" + quote(args.batch_id, safe="") + "/cancel")
         print(f"{batch['id']}: {batch['status']} ({_counts(batch)}); follow with `appliance batches show "
               f"{batch['id']}`")
     return 0
-
-
-def _call(url: str, method: str, path: str) -> dict[str, Any]:
-    from appliance import admin_client
-
-    if not admin_client.admin_token():
-        raise CLIError(admin_client.no_token_message(), EXIT_USAGE)
-    try:
-        return admin_client.call(url, method, path)
-    except admin_client.AdminError as exc:
-        raise CLIError(str(exc)) from None
 
 
 def batches_path(limit: int = 20, tenant: str | None = None, status: str | None = None) -> str:
@@ -94,7 +83,7 @@ def format_batches(body: dict[str, Any], now: float | None = None) -> str:
         counts = b.get("request_counts") or {}
         lines.append(f"{b['id']:<{width}} {b.get('tenant') or '-':<16} {b['status']:<11} {b['endpoint']:<20} "
                      f"{counts.get('completed', 0):>7} {counts.get('failed', 0):>7} {counts.get('total', 0):>7} "
-                     f"{_age(now - b['created_at']):>5}")
+                     f"{age(now - b['created_at']):>5}")
     if body.get("has_more"):
         lines.append("... more (--limit, --tenant, --status)")
     return "\n".join(lines)
@@ -125,9 +114,3 @@ def _counts(batch: dict[str, Any]) -> str:
             f"{counts.get('total', 0)} lines")
 
 
-def _age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"

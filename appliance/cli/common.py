@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.exit_codes import EXIT_FAILED
+from appliance.exit_codes import EXIT_FAILED, EXIT_USAGE
 
 if TYPE_CHECKING:
     from appliance.settings import Settings
@@ -61,3 +61,16 @@ def setup_logging(level: str) -> None:
     if level != "debug":  # libraries that log every request or job at INFO drown the appliance's own lines
         for noisy in ("httpx", "apscheduler"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def admin_call(url: str, method: str, path: str) -> dict[str, Any]:
+    """One admin call; its failures are one clear line on stderr: exit code 2 when there is no admin token to
+    send (nothing was tried), 1 when the appliance cannot be reached or refuses."""
+    from appliance import admin_client
+
+    if not admin_client.admin_token():
+        raise CLIError(admin_client.no_token_message(), EXIT_USAGE)
+    try:
+        return admin_client.call(url, method, path)
+    except admin_client.AdminError as exc:
+        raise CLIError(str(exc)) from None
