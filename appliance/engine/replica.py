@@ -32,6 +32,7 @@ from appliance.engine.ports import tree_listens_on
 log = logging.getLogger(__name__)
 
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, vLLM's CPU backend
+FAULT_HANDLER_ENV = "PYTHONFAULTHANDLER"
 
 
 @dataclass
@@ -75,6 +76,7 @@ class SupervisedReplica:
     TERM_EXTRA_SECONDS = 5.0  # after SIGTERM: the engine's shutdown timeout plus this, then SIGKILL
     KILL_WAIT_SECONDS = 5.0  # after SIGKILL: how long stop() waits for the exit before it gives up on the process
     EXIT_POLL_SECONDS = 0.1  # how soon a dead engine leaves routing (a waitpid(WNOHANG) each time: cheap)
+    ABORT_GRACE_SECONDS = 3.0  # a hung start: from SIGABRT (its stacks into the log) to SIGKILL of the group
 
     def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
         self.spec = spec
@@ -88,6 +90,7 @@ class SupervisedReplica:
         self._staged: ReplicaSpec | None = None
         self._before_stage: ReplicaSpec | None = None  # the spec in use when the last stage() came
         self._pump: EngineLogPump | None = None
+        self._aborted_at: float | None = None  # when a hung start was sent SIGABRT (None: it was not)
 
     @property
     def name(self) -> str:
@@ -199,7 +202,8 @@ class SupervisedReplica:
         # user of its own (engine.user) it also runs with that user's uid, group and home, and no other group.
         user = self.spec.user
         env = {**engine_base_env(os.environ), **(user.env() if user else {}), **self.spec.env,
-               PARENT_ENV: str(os.getpid()), GRACE_ENV: str(self.spec.stop_timeout_seconds)}
+               PARENT_ENV: str(os.getpid()), GRACE_ENV: str(self.spec.stop_timeout_seconds),
+               FAULT_HANDLER_ENV: "1"}  # a fatal signal (a hung start's SIGABRT) writes every thread's stack
         # Opens (creates) the log first: a log that cannot be written is a spawn failure, before any process.
         pump = EngineLogPump(self.name, self.spec.log_path, max_bytes=self.spec.log_max_bytes,
                              backups=self.spec.log_backups, stdout=sys.stdout if self.spec.log_stdout else None)
@@ -225,6 +229,7 @@ class SupervisedReplica:
             pump.close()
             raise
         self.status.state = ReplicaState.STARTING
+        self._aborted_at = None
         self.status.pid = self._proc.pid
         self.status.starts += 1
         self.status.last_start_time = time.time()
@@ -263,10 +268,18 @@ class SupervisedReplica:
                                           else self.HEALTH_INTERVAL_SECONDS)
 
     def _end_a_hung_start(self, elapsed: float) -> None:
-        """Kill a start that will not end by itself: no /health within the start timeout, or not one line of
+        """End a start that will not end by itself: no /health within the start timeout, or not one line of
         output within the silence timeout (the process hangs before vLLM began: waiting for it to load a model
         it never started on would hold a rolling restart for the whole start timeout). The supervisor then
-        starts it again, as after a crash."""
+        starts it again, as after a crash.
+
+        First SIGABRT to the launcher's children: engines run with PYTHONFAULTHANDLER, so each writes every
+        thread's Python stack into its log as it dies, which says where it hung. ABORT_GRACE_SECONDS later
+        whatever is left of the group is killed."""
+        if self._aborted_at is not None:
+            if time.monotonic() - self._aborted_at > self.ABORT_GRACE_SECONDS:
+                self._kill_group()
+            return
         silence = self.spec.start_silence_timeout_seconds
         if elapsed > self.spec.start_timeout_seconds:
             reason = f"not healthy after {self.spec.start_timeout_seconds:.0f}s"
@@ -276,10 +289,12 @@ class SupervisedReplica:
             return
         assert self._proc is not None
         states = describe_tree(self._proc.pid)
-        log.error("%s %s; killing it (%s)", self.name, reason, "; ".join(states))
+        log.error("%s %s; ending it (%s)", self.name, reason, "; ".join(states))
         if self._pump is not None:
-            self._pump.write(f"=== appliance: {reason}; killing it. Its processes: " + "; ".join(states))
-        self._kill_group()
+            self._pump.write(f"=== appliance: {reason}; ending it, its Python stacks follow. Its processes: "
+                             + "; ".join(states))
+        self._aborted_at = time.monotonic()
+        abort_children(self._proc.pid)
 
     async def _sleep_unless_exit(self, seconds: float) -> None:
         """Sleep between health probes, but notice the process's exit within EXIT_POLL_SECONDS: until then the
@@ -373,6 +388,18 @@ class SupervisedReplica:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
+
+
+def abort_children(root_pid: int) -> None:
+    """SIGABRT to every descendant of ``root_pid`` (the launcher itself stays: it kills the rest of its group when
+    its child dies)."""
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signal.SIGABRT)
 
 
 def describe_tree(root_pid: int) -> list[str]:

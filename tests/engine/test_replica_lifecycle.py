@@ -86,18 +86,20 @@ def test_a_start_that_never_turns_healthy_is_killed_and_counted_as_a_crash(tmp_p
     run(scenario)
 
 
-def test_a_start_that_prints_nothing_is_killed_at_the_silence_timeout_with_its_states(tmp_path: Path) -> None:
+def test_a_start_that_prints_nothing_is_ended_at_the_silence_timeout_with_its_stacks(tmp_path: Path) -> None:
     async def scenario(session: aiohttp.ClientSession) -> None:
         silent = spec(tmp_path)  # a start timeout of 30 s: only the silence check can end it this soon
         silent.start_silence_timeout_seconds = 1.0
-        silent.command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        silent.command = [sys.executable, "-m", "appliance.engine.launch", "--",
+                          sys.executable, "-c", "import time\ndef hang():\n    time.sleep(60)\nhang()"]
         replica = SupervisedReplica(silent, backoff_initial=0.1, backoff_max=1.0)
         replica.start(session)
-        await wait_for(lambda: replica.status.crashes >= 1, timeout=10)
+        await wait_for(lambda: replica.status.crashes >= 1, timeout=15)
         await replica.stop()
         logged = silent.log_path.read_text()
-        assert "no output 1s after its start; killing it" in logged
-        assert "time.sleep(60)" in logged and " in " in logged  # each process: state, wait channel, command
+        assert "no output 1s after its start; ending it" in logged
+        assert "appliance.engine.launch" in logged and " in " in logged  # each process: state, wait channel
+        assert "Fatal Python error: Aborted" in logged and "in hang" in logged  # the hung process's own stack
 
     run(scenario)
 

@@ -37,8 +37,16 @@ def status(appliance) -> dict:
     return response.json()
 
 
-def replica_counts(appliance) -> dict[str, tuple[int, int]]:
-    return {r["name"]: (r["starts"], r["restarts"]) for r in status(appliance)["replicas"]}
+def replica_counts(appliance) -> dict[str, tuple[int, int, int]]:
+    return {r["name"]: (r["starts"], r["restarts"], r["crashes"]) for r in status(appliance)["replicas"]}
+
+
+def planned_restarts(before: tuple[int, int, int], after: tuple[int, int, int]) -> int:
+    """Restarts the maintenance made, from two readings of (starts, restarts, crashes): a start that failed on the
+    way (an engine hung before its first line, killed and started again) is a crash restart, not a planned one."""
+    starts, restarts, crashes = (b - a for a, b in zip(before, after, strict=True))
+    assert starts == restarts, (before, after)  # every start after the first is a restart of one kind or the other
+    return restarts - crashes
 
 
 def wait_for_maintenance(appliance, timeout: float) -> dict:
@@ -96,8 +104,8 @@ def test_rolling_restart_under_steady_load_fails_nothing(appliance):
     last = final["maintenance"]["last_action"]
     assert (last["action"], last["trigger"], last["result"]) == ("rolling_restart", "admin", "ok"), last
     after = replica_counts(appliance)
-    for name, (starts, restarts) in before.items():
-        assert after[name] == (starts + 1, restarts + 1), (name, before, after)
+    for name, counts in before.items():
+        assert planned_restarts(counts, after[name]) == 1, (name, before, after)
     assert during > 0
     assert final["ready_replicas"] == 2
     assert {r["state"] for r in final["replicas"]} == {"ready"}
