@@ -76,7 +76,8 @@ class SupervisedReplica:
     TERM_EXTRA_SECONDS = 5.0  # after SIGTERM: the engine's shutdown timeout plus this, then SIGKILL
     KILL_WAIT_SECONDS = 5.0  # after SIGKILL: how long stop() waits for the exit before it gives up on the process
     EXIT_POLL_SECONDS = 0.1  # how soon a dead engine leaves routing (a waitpid(WNOHANG) each time: cheap)
-    ABORT_GRACE_SECONDS = 3.0  # a hung start: from SIGABRT (its stacks into the log) to SIGKILL of the group
+    ABORT_STEP_SECONDS = 1.0  # a hung start: from SIGABRT below the server to SIGABRT of the server
+    ABORT_GRACE_SECONDS = 3.0  # a hung start: from the first SIGABRT (stacks into the log) to SIGKILL of the group
 
     def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
         self.spec = spec
@@ -90,7 +91,8 @@ class SupervisedReplica:
         self._staged: ReplicaSpec | None = None
         self._before_stage: ReplicaSpec | None = None  # the spec in use when the last stage() came
         self._pump: EngineLogPump | None = None
-        self._aborted_at: float | None = None  # when a hung start was sent SIGABRT (None: it was not)
+        self._aborted_at: float | None = None  # when a hung start was sent its first SIGABRT (None: it was not)
+        self._aborted_server = False  # ... and its server too
 
     @property
     def name(self) -> str:
@@ -273,12 +275,18 @@ class SupervisedReplica:
         it never started on would hold a rolling restart for the whole start timeout). The supervisor then
         starts it again, as after a crash.
 
-        First SIGABRT to the launcher's children: engines run with PYTHONFAULTHANDLER, so each writes every
-        thread's Python stack into its log as it dies, which says where it hung. ABORT_GRACE_SECONDS later
-        whatever is left of the group is killed."""
+        First SIGABRT, to the processes below the server (engine core, workers), then ABORT_STEP_SECONDS later to
+        the server: engines run with PYTHONFAULTHANDLER, so each writes every thread's Python stack into its log
+        as it dies, which says where it hung (the server goes last: when it dies, the launcher kills the rest of
+        its group at once, dump written or not). ABORT_GRACE_SECONDS after the first, what is left is killed."""
         if self._aborted_at is not None:
-            if time.monotonic() - self._aborted_at > self.ABORT_GRACE_SECONDS:
+            waited = time.monotonic() - self._aborted_at
+            if waited > self.ABORT_GRACE_SECONDS:
                 self._kill_group()
+            elif waited > self.ABORT_STEP_SECONDS and not self._aborted_server:
+                assert self._proc is not None
+                self._aborted_server = True
+                abort_processes(self._proc.pid, server=True)  # last: its death ends the launcher
             return
         silence = self.spec.start_silence_timeout_seconds
         if elapsed > self.spec.start_timeout_seconds:
@@ -293,8 +301,8 @@ class SupervisedReplica:
         if self._pump is not None:
             self._pump.write(f"=== appliance: {reason}; ending it, its Python stacks follow. Its processes: "
                              + "; ".join(states))
-        self._aborted_at = time.monotonic()
-        abort_children(self._proc.pid)
+        self._aborted_at, self._aborted_server = time.monotonic(), False
+        abort_processes(self._proc.pid, server=False)  # the engine core and workers first
 
     async def _sleep_unless_exit(self, seconds: float) -> None:
         """Sleep between health probes, but notice the process's exit within EXIT_POLL_SECONDS: until then the
@@ -390,16 +398,22 @@ class SupervisedReplica:
             os.killpg(self._proc.pid, signal.SIGKILL)
 
 
-def abort_children(root_pid: int) -> None:
-    """SIGABRT to every descendant of ``root_pid`` (the launcher itself stays: it kills the rest of its group when
-    its child dies)."""
+def abort_processes(root_pid: int, *, server: bool) -> None:
+    """SIGABRT to the launcher's (``root_pid``'s) children, the server (``server``), or to every process below
+    them (not ``server``); the launcher itself is never signalled."""
     try:
-        children = psutil.Process(root_pid).children(recursive=True)
+        root = psutil.Process(root_pid)
+        tree = root.children(recursive=True)
     except psutil.Error:
         return
-    for child in children:
+    depth = {root_pid: 0}
+    for process in tree:  # psutil lists a parent before its children
         with contextlib.suppress(psutil.Error):
-            child.send_signal(signal.SIGABRT)
+            depth[process.pid] = depth.get(process.ppid(), 0) + 1
+    for process in tree:
+        if (depth.get(process.pid, 1) == 1) == server:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGABRT)
 
 
 def describe_tree(root_pid: int) -> list[str]:

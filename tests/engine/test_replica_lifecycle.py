@@ -104,6 +104,34 @@ def test_a_start_that_prints_nothing_is_ended_at_the_silence_timeout_with_its_st
     run(scenario)
 
 
+SERVER_WAITING_FOR_ITS_CORE = """
+import subprocess, sys, time
+core = subprocess.Popen([sys.executable, "-c", "import time\\ndef core_hang():\\n    time.sleep(60)\\ncore_hang()"])
+print("banner", flush=True)
+def server_wait():
+    core.wait()
+    time.sleep(60)
+server_wait()
+"""
+
+
+def test_a_start_that_never_turns_healthy_leaves_the_stacks_of_its_server_and_its_core(tmp_path: Path) -> None:
+    async def scenario(session: aiohttp.ClientSession) -> None:
+        stuck = spec(tmp_path, start_timeout=2.0)  # a server waiting for an engine core that hangs
+        stuck.command = [sys.executable, "-m", "appliance.engine.launch", "--",
+                         sys.executable, "-c", SERVER_WAITING_FOR_ITS_CORE]
+        replica = SupervisedReplica(stuck, backoff_initial=0.1, backoff_max=1.0)
+        replica.start(session)
+        await wait_for(lambda: replica.status.crashes >= 1, timeout=20)
+        await replica.stop()
+        logged = stuck.log_path.read_text()
+        assert "not healthy after 2s; ending it" in logged
+        assert logged.count("Fatal Python error: Aborted") >= 2  # the core's dump is not cut by the server's end
+        assert "in core_hang" in logged and "in server_wait" in logged
+
+    run(scenario)
+
+
 def test_a_start_that_prints_is_left_to_the_start_timeout(tmp_path: Path) -> None:
     async def scenario(session: aiohttp.ClientSession) -> None:
         loading = spec(tmp_path)  # prints its banner, then loads for longer than the silence timeout
