@@ -102,7 +102,7 @@ class EngineSettings(BaseModel):
     start_silence_timeout_seconds: float = Field(
         120, ge=0, description="A starting engine that has not written one line of output this long after its "
         "start hangs before vLLM even began (vLLM prints its banner within seconds, before the model loads): it "
-        "is killed and started again, with its processes' states in its log. 0 turns the check off."
+        "is ended and started again, with its processes' states and Python stacks in its log. 0 turns the check off."
     )
     health_timeout_seconds: float = Field(
         2.0, gt=0, description="How long one /health probe of a running engine may take; 3 failed probes in a "
