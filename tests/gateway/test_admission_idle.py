@@ -91,3 +91,56 @@ def test_background_work_honours_exclusions_and_revoked_tenants():
         admission.acquire_idle(frozenset(), None, tenant=Tenant("team-a"))
     assert refused.value.status == 401
     lease.release(Outcome.SUCCESS)
+
+
+def test_a_seeded_storm_of_background_and_interactive_work_leaves_every_slot_back():
+    """Background and interactive acquires, releases and clients that leave the queue, interleaved at random. After
+    each step: no replica over its limit, no background slot granted while a request waited, every slot held by a
+    live lease; after each case every slot is back and nothing is queued."""
+    import random
+
+    async def case(rng: random.Random) -> None:
+        admission, fleet = make(limit=rng.randint(1, 4), headroom=rng.choice((0.0, 0.25, 0.5)),
+                                replicas=rng.randint(1, 3))
+        held, queued = [], []
+        for _ in range(60):
+            step = rng.random()
+            if step < 0.3:
+                waiting = admission.queue_length
+                try:
+                    lease = admission.acquire_idle(frozenset(), None)
+                except APIError:
+                    pass
+                else:
+                    assert waiting == 0, "background work went ahead of a waiter"
+                    held.append(lease)
+            elif step < 0.55:
+                queued.append(asyncio.ensure_future(admission.acquire()))
+            elif step < 0.8 and held:
+                held.pop(rng.randrange(len(held))).release(rng.choice((Outcome.SUCCESS, Outcome.ABORTED)))
+            elif queued:
+                leaving = queued[rng.randrange(len(queued))]
+                if not leaving.done():  # a client that left the queue (one already served keeps its lease)
+                    leaving.cancel()
+            for _ in range(3):  # a granted request's task resumes an iteration after its slot is taken
+                await asyncio.sleep(0)
+            for future in [f for f in queued if f.done()]:
+                queued.remove(future)
+                if not future.cancelled() and future.exception() is None:
+                    held.append(future.result())
+            for replica in fleet:
+                assert admission.router.in_flight(replica.name) <= admission.limit_of(replica.name) + len(held)
+            assert admission.router.in_flight() == len(held), (admission.router.in_flight(), len(held))
+        for future in queued:
+            future.cancel()
+        await asyncio.sleep(0)
+        for future in queued:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release(Outcome.SUCCESS)
+        for lease in held:
+            lease.release(Outcome.SUCCESS)
+        assert admission.router.in_flight() == 0 and admission.queue_length == 0 and not admission.ledger.held
+
+    rng = random.Random(20261205)
+    for _ in range(150):
+        asyncio.run(case(rng))
