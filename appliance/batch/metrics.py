@@ -36,6 +36,9 @@ class BatchMetrics:
                                 "later, by why: no_idle_capacity, rate_limited (the tenant's quota), unavailable "
                                 "(no replica, draining), server_error (a retry after a 5xx).", ["reason"],
                                 registry=registry)
+        self.files_expired = Counter("appliance_batch_files_expired", "Files deleted because they outlived "
+                                     "batch.file_retention_hours (uploads, output and error files).",
+                                     registry=registry)
         for reason in GIVEN_BACK:
             self.given_back.labels(reason)
         for reason in DEFERRED:

@@ -68,9 +68,11 @@ class FileRecord:
     bytes: int
     created_at: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, retention_seconds: int = 0) -> dict[str, Any]:
+        """OpenAI's file object; ``expires_at`` when files are deleted after ``retention_seconds`` (0: never)."""
+        expires = self.created_at + retention_seconds if retention_seconds > 0 else None
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": expires,
                 "status_details": None}
 
 

@@ -52,6 +52,8 @@ from appliance.batch.submit import NO_IDLE_CAPACITY, Answer, IdleGate, Submissio
 
 log = logging.getLogger(__name__)
 
+RETENTION_SWEEP_SECONDS = 60.0  # how often files past batch.file_retention_hours are looked for
+EXPIRE_CHUNK = 500  # files forgotten per transaction: a large backlog never holds the write lock long
 SERVER_ERRORS = frozenset({500, 502, 504})  # tried again, up to batch.max_attempts
 LATER = frozenset({429, 499, 503})  # no room now (capacity, quota, no replica, draining): not a try
 UNANSWERED = {Status.EXPIRED: ("batch_expired", "the batch's completion window ended before this line was answered"),
@@ -84,6 +86,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._paused_until = -math.inf  # monotonic: no line is sent before (a preemption, no idle capacity)
         self._tenant_paused: dict[str, float] = {}  # a tenant whose quota is spent: until when
+        self._expired_at = -math.inf  # monotonic: the last look for files past their retention
 
     # -- life -----------------------------------------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class BatchRunner:
         if self.monotonic() - self._summary_at >= self.settings.poll_seconds:
             self._summary_at = self.monotonic()
             self.summary = await self.storage.call(lambda store, _: store.summary())
+        await self._expire_files()
         if self.draining():
             self._give_back(lambda _batch: True, "draining")
             return
@@ -199,6 +203,34 @@ class BatchRunner:
         if failed is not None:
             log.warning("batch %s failed: its tenant %r is no longer configured", batch.id, batch.tenant)
         return failed
+
+    async def _expire_files(self) -> None:
+        """Delete the files past ``batch.file_retention_hours`` (never a running batch's input), at most once every
+        ``RETENTION_SWEEP_SECONDS``: each record first, then its bytes, so a crash between the two leaves only bytes
+        nobody refers to, which the next start sweeps."""
+        retention = self.settings.file_retention_hours * 3600
+        if retention <= 0 or self.monotonic() - self._expired_at < RETENTION_SWEEP_SECONDS:
+            return
+        self._expired_at = self.monotonic()
+        created_by = int(self.clock()) - retention  # expires_at (created_at + retention) has come
+
+        def expire(store: BatchStore, blobs: FileBlobs) -> int:
+            removed = 0
+            while files := store.expired_files(created_by, EXPIRE_CHUNK):
+                store.forget_files([record.id for record in files])
+                for record in files:
+                    blobs.remove(record.id)
+                removed += len(files)
+                if len(files) < EXPIRE_CHUNK:
+                    break
+            return removed
+
+        removed = await self.storage.call(expire)
+        if removed:
+            log.info("batch files: deleted %d file(s) older than %d h (batch.file_retention_hours)", removed,
+                     self.settings.file_retention_hours)
+            if self.metrics is not None:
+                self.metrics.files_expired.inc(removed)
 
     # -- sending lines --------------------------------------------------------------------------------------------
 

@@ -90,6 +90,10 @@ class BatchService:
         self.clock = clock
         self.on_change: Callable[[], None] = lambda: None  # the runner's wake-up: a batch was created or cancelled
 
+    @property
+    def retention_seconds(self) -> int:
+        return self.settings.file_retention_hours * 3600
+
     def _now(self) -> int:
         return int(self.clock())
 
@@ -111,7 +115,7 @@ class BatchService:
             store.add_file(record)
 
         await self.storage.call(store)
-        return record.to_json()
+        return record.to_json(self.retention_seconds)
 
     async def files(self, tenant: str, *, purpose: str | None = None, after: str | None = None,
                     limit: int = MAX_PAGE, order: str = "desc") -> dict[str, Any]:
@@ -119,10 +123,10 @@ class BatchService:
             return _page([], False)
         rows = await self.storage.call(lambda store, _: store.list_files(
             tenant, purpose=purpose, after=after, limit=limit + 1, newest_first=order != "asc"))
-        return _page([row.to_json() for row in rows[:limit]], len(rows) > limit)
+        return _page([row.to_json(self.retention_seconds) for row in rows[:limit]], len(rows) > limit)
 
     async def file(self, tenant: str, file_id: str) -> dict[str, Any]:
-        return (await self._file(tenant, file_id)).to_json()
+        return (await self._file(tenant, file_id)).to_json(self.retention_seconds)
 
     async def content(self, tenant: str, file_id: str) -> bytes:
         record = await self._file(tenant, file_id)

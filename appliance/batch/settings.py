@@ -38,6 +38,11 @@ class BatchSettings(BaseModel):
         "Past its window a batch expires with what is done: outputs for the lines answered, batch_expired errors "
         "for the rest."
     )
+    file_retention_hours: int = Field(
+        720, ge=0, description="How long a file (an upload, a batch's output or error file) is kept after it was "
+        "created: then it is deleted, its record and its bytes, as if its tenant had deleted it, except the input "
+        "file of a batch still running. Files report it as expires_at. 0: kept until deleted."
+    )
     max_concurrency: int = Field(
         4, ge=1, description="Batch lines in flight at once, all batches together: the most slots batch work "
         "holds when the fleet is idle."

@@ -172,6 +172,19 @@ class SQLiteBatchStore:
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
         return _file(row)
 
+    def expired_files(self, created_by: int, limit: int) -> list[FileRecord]:
+        ended = ", ".join("?" * len(TERMINAL))
+        with self._tx() as db:
+            rows = db.execute(f"SELECT {FILE_COLUMNS} FROM files WHERE created_at <= ? AND id NOT IN "
+                              f"(SELECT input_file_id FROM batches WHERE status NOT IN ({ended})) "
+                              "ORDER BY seq LIMIT ?",
+                              (created_by, *sorted(status.value for status in TERMINAL), limit)).fetchall()
+        return [_file(row) for row in rows]
+
+    def forget_files(self, file_ids: Collection[str]) -> None:
+        with self._tx() as db:
+            db.executemany("DELETE FROM files WHERE id = ?", [(file_id,) for file_id in file_ids])
+
     def file_ids(self) -> set[str]:
         with self._tx() as db:
             return {row[0] for row in db.execute("SELECT id FROM files")}

@@ -36,6 +36,16 @@ class BatchStore(Protocol):
         """Forget the file; returns what was forgotten (None: no such file of this tenant)."""
         ...
 
+    def expired_files(self, created_by: int, limit: int) -> list[FileRecord]:
+        """Files created at or before ``created_by``, oldest first, except the input file of a batch not yet
+        ended (its lines are read from the database, but its file is what the client named)."""
+        ...
+
+    def forget_files(self, file_ids: Collection[str]) -> None:
+        """Drop these files' records (before their blobs are removed: a crash between the two leaves only an
+        unrecorded blob, which ``FileBlobs.sweep`` removes at start)."""
+        ...
+
     def file_ids(self) -> set[str]:
         """Every file the store knows: what is on disk and not here is an orphan of a crash."""
         ...

@@ -26,6 +26,7 @@ from appliance.batch.settings import BatchSettings
 from appliance.batch.submit import Answer, Submission
 from appliance.context import context_of
 from appliance.gateway.routing.router import Outcome
+from appliance.http.errors import APIError
 from tests.batch.conftest import ADMIN, auth, chat_line, create, jsonl, result_lines, upload, wait_for
 from tests.doubles import FakeClock
 from tests.gateway.live import wait_until
@@ -386,3 +387,55 @@ def test_the_gateway_serves_the_openai_client(make_batch_client, stubs, tmp_path
         assert [b.id for b in api.batches.list()] == [batch.id]
         with pytest.raises(openai.BadRequestError):
             api.files.create(file=("in.jsonl", b"{}"), purpose="fine-tune")
+
+
+def test_files_past_their_retention_are_deleted_but_a_running_batchs_input(tmp_path):
+    async def scenario():
+        h = Harness(tmp_path, file_retention_hours=2)
+        done_id = await h.batch(1)
+        await h.step()
+        await h.step()
+        done = await h.get(done_id)
+        assert done["status"] == "completed"
+        stray = await h.service.upload("team-b", "batch", "later.jsonl", jsonl([chat_line("x")]))
+        assert stray["expires_at"] == stray["created_at"] + 2 * 3600
+        h.script.hang = {"team-a-0"}
+        h.clock.advance(600)
+        running_id = await h.batch(1)  # created 10 minutes after the others: expires 10 minutes later
+        await h.step()
+        running = await h.get(running_id)
+        assert running["status"] == "in_progress"
+        files = tmp_path / "files"
+        kept = {done["input_file_id"], done["output_file_id"], stray["id"], running["input_file_id"]}
+        assert {path.name for path in files.iterdir()} == kept
+
+        h.clock.advance(2 * 3600 - 600)  # the first files are now exactly as old as their retention
+        h.monotonic.advance(61)
+        await h.step()
+        assert {path.name for path in files.iterdir()} == {running["input_file_id"]}
+        for tenant, file_id in (("team-a", done["output_file_id"]), ("team-b", stray["id"])):
+            with pytest.raises(APIError) as gone:
+                await h.service.file(tenant, file_id)
+            assert gone.value.status == 404
+        assert (await h.get(done_id))["status"] == "completed"  # the batch itself is kept
+
+        h.clock.advance(3600)
+        h.monotonic.advance(61)
+        await h.step()  # the running batch's input outlives its retention while the batch runs
+        assert {path.name for path in files.iterdir()} == {running["input_file_id"]}
+        await h.runner.stop()
+
+    run(scenario)
+
+
+def test_a_retention_of_zero_keeps_files_until_deleted(tmp_path):
+    async def scenario():
+        h = Harness(tmp_path, file_retention_hours=0)
+        uploaded = await h.service.upload("team-a", "batch", "in.jsonl", jsonl([chat_line("x")]))
+        assert uploaded["expires_at"] is None
+        h.clock.advance(10 * 365 * 86400)
+        h.monotonic.advance(61)
+        await h.step()
+        assert (await h.service.file("team-a", uploaded["id"]))["id"] == uploaded["id"]
+
+    run(scenario)

@@ -144,3 +144,17 @@ def test_the_summary_counts_batches_by_tenant_and_status(store):
     summary = store.summary()
     assert summary.batches == {("team-a", "in_progress"): 1, ("team-b", "validating"): 1}
     assert [b.id for b in summary.active] == ["batch_1", "batch_2"]
+
+
+def test_expired_files_are_the_old_ones_but_a_running_batchs_input(store):
+    for i, created in enumerate((10, 20, 30, 40)):
+        store.add_file(FileRecord(f"file-{i}", "team-a", "batch", "in.jsonl", 1, created))
+    store.create_batch(BatchRecord("batch_1", "team-a", "/v1/chat/completions", "file-1", "24h",
+                                   Status.IN_PROGRESS, created_at=20, expires_at=99), lines(1))
+    store.create_batch(BatchRecord("batch_2", "team-a", "/v1/chat/completions", "file-2", "24h",
+                                   Status.COMPLETED, created_at=30, expires_at=99), lines(1))
+    assert [f.id for f in store.expired_files(30, limit=10)] == ["file-0", "file-2"]
+    assert [f.id for f in store.expired_files(30, limit=1)] == ["file-0"]
+    store.forget_files(["file-0", "file-2"])
+    assert store.file_ids() == {"file-1", "file-3"}
+    assert store.expired_files(30, limit=10) == []
