@@ -16,7 +16,7 @@ from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.directory import Tenant
-from appliance.gateway.tenants.priority import EnginePriority, engine_priority
+from appliance.gateway.tenants.priority import BACKGROUND, EnginePriority, engine_priority
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.fake_engine import Failure, FakeEngine
@@ -88,6 +88,17 @@ def test_each_attempt_gets_the_priority_of_the_replica_that_took_it():
     begin(ex, "replica-1", "retry")
     assert json.loads(ex.body)["priority"] == 0
     assert hooks is ex.hooks
+
+
+@pytest.mark.parametrize("tenant_priority", [0, 9])
+def test_batch_work_goes_behind_every_interactive_request(tenant_priority):
+    admission = make(limit=4)
+    ex = exchange({"prompt": "hi"})
+    ex.tenant, ex.background = Tenant("team-a", priority=tenant_priority), True
+    chain(ex, EnginePriority(admission, lambda _replica: "priority").start(ex))
+    begin(ex)
+    lowest = max(engine_priority(Tenant("t", priority=p), over) for p in range(10) for over in (False, True))
+    assert json.loads(ex.body)["priority"] == BACKGROUND > lowest == 19
 
 
 def app(engines: list[FakeEngine], **settings) -> tuple[LiveGateway, list[FakeReplica]]:

@@ -10,6 +10,9 @@ fair-share standing, so a tenant over its share goes behind one under it at the 
     priority = (9 - tenant.priority) * 2 + (1 if the tenant is over its fair share else 0)
 
 (``Admission.over_share``: its served tokens by weight ahead of the least served active tenant of its priority.)
+Batch work (``Exchange.background``: appliance.batch) gets ``BACKGROUND``, behind every interactive request of any
+tenant, so a batch line already inside the engine never holds back an interactive one, and is the first preempted
+under KV-cache pressure.
 It is decided for each attempt, when a replica takes the request, and only for a replica whose engine said it
 schedules by priority (the engine's guard reports the policy vLLM runs on its ``/metrics`` answers, read by the
 load poll). An engine that does not (``fcfs``, or one the appliance does not run, which says nothing) gets no
@@ -32,6 +35,7 @@ from appliance.gateway.upstream.hook import Attempt, RequestHook
 FIELD = "priority"
 PRIORITY = "priority"  # the policy that reads the field
 MAX_TENANT_PRIORITY = 9  # tenants' priority is 0-9, higher first (tenants/settings.py)
+BACKGROUND = (MAX_TENANT_PRIORITY + 1) * 2  # batch work: after the last interactive priority (19)
 
 
 def reported_policy(loads: Callable[[], Mapping[str, EngineLoad]]) -> Callable[[str], str | None]:
@@ -44,8 +48,10 @@ def reported_policy(loads: Callable[[], Mapping[str, EngineLoad]]) -> Callable[[
     return policy_of
 
 
-def engine_priority(tenant: Tenant, over_share: bool) -> int:
-    """vLLM's priority (lower first) for a request of ``tenant``."""
+def engine_priority(tenant: Tenant, over_share: bool, background: bool = False) -> int:
+    """vLLM's priority (lower first) for a request of ``tenant`` (``background``: batch work, last of all)."""
+    if background:
+        return BACKGROUND
     return (MAX_TENANT_PRIORITY - tenant.priority) * 2 + (1 if over_share else 0)
 
 
@@ -76,9 +82,10 @@ class PrioritizedRequest(RequestHook):
         self.written = written  # the body holds a priority (the client's, or one the gateway wrote)
 
     def admitted(self, attempt: Attempt) -> None:
-        hook, tenant = self.hook, self.exchange.tenant
+        hook, exchange = self.hook, self.exchange
         if hook.policy_of(attempt.replica) == PRIORITY:
-            self.exchange.override(FIELD, engine_priority(tenant, hook.admission.over_share(tenant)))
+            over = not exchange.background and hook.admission.over_share(exchange.tenant)
+            exchange.override(FIELD, engine_priority(exchange.tenant, over, exchange.background))
             self.written = True
         elif self.written:
             self.exchange.override(FIELD, 0)  # vLLM's default: no priority where the engine does not use it
