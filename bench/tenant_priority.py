@@ -54,9 +54,9 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace) -> dict[str, 
         url, engine_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
         wait_ok(url + "/health/ready", proc)
         print(f"{policy}: ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
-        asyncio.run(phase(url, argparse.Namespace(**{**vars(args), "phase_seconds": 5}), flood=False))  # warm-up
+        asyncio.run(phase(url, argparse.Namespace(**{**vars(args), "phase_seconds": 5}), flood=None))  # warm-up
         results = {}
-        for name, flood in (("alone", False), ("flood", True)):
+        for name, flood in (("alone", None), ("flood", "read")):
             asyncio.run(engine_idle(engine_url))
             results[name] = asyncio.run(phase(url, args, flood=flood))
             print(f"{policy} {name}: done ({results[name]['n']} victim requests)", flush=True)
@@ -76,7 +76,7 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> Non
         for name, r in phases.items():
             ratios = [f"{r[k] / alone[k]:.2f}" if r[k] is not None and alone[k] else "-" for k in ("p50", "p90")]
             p50, p90 = (f"{1000 * r[k]:.0f}" if r[k] is not None else "-" for k in ("p50", "p90"))
-            tok = f"{r['aggressor_tok_s']:.1f}" if r["aggressor_tok_s"] is not None else "-"
+            tok = f"{r['aggressor']:.1f}" if r["aggressor"] is not None else "-"
             print(f"{policy:<9} {name:<6} {r['n']:>4} {r['errors']:>4} {p50:>11} {p90:>8} {ratios[0]:>11} "
                   f"{ratios[1]:>11} {tok:>15}")
     fcfs, prio = results.get("fcfs", {}).get("flood"), results.get("priority", {}).get("flood")
