@@ -17,11 +17,11 @@ share, goes behind the victim inside the engine too). In one run, one phase at a
    fair-share gateway (fair share plus engine priority).
 
 It prints the victim's TTFT p50/p90 per phase with ratios to alone (of the same engine run), and the aggressor's
-throughput while the victim runs against the second half of its ramp, when the victim was idle (tokens/s for
-``read``; requests/s for ``leave``, whose clients read one token each). A phase runs the victim for
-``--phase-seconds`` and then waits for its last requests' first tokens (so slow answers count, they are not cut
-off). Numbers, never assertions. Goal (issue 34): victim p90 within 1.2x of alone in both flood kinds, and the
-aggressor keeps at least 0.8x of its throughput.
+throughput while the victim runs against its throughput in a phase of the same length with the victim idle
+(``aggressor alone``; tokens/s for ``read``, requests/s for ``leave``, whose clients read one token each). A phase
+runs the victim for ``--phase-seconds`` and then waits for its last requests' first tokens (so slow answers count,
+they are not cut off). Numbers, never assertions. Goal (issue 34): victim p90 within 1.2x of alone in both flood
+kinds, and the aggressor keeps at least 0.8x of its throughput.
 
 Settings, as an SRE would set them for this replica (each a flag):
 - ``engine.max_num_seqs`` 8, and the admission limit pinned to it (initial = min = max): on one CPU core a batch
@@ -135,9 +135,10 @@ async def engine_idle(engine_url: str, timeout: float = 120) -> None:
     print(f"warning: the engine was still busy after {timeout:.0f}s", flush=True)
 
 
-async def phase(url: str, args: argparse.Namespace, *, flood: str | None) -> dict:
+async def phase(url: str, args: argparse.Namespace, *, flood: str | None, victim_runs: bool = True) -> dict:
     """The victim for ``--phase-seconds`` (after the flood's ramp when ``flood`` is read or leave); its TTFTs and
-    the aggressor's throughput over the victim's window and over the ramp's second half (the victim idle)."""
+    the aggressor's throughput over the victim's window (``victim_runs`` False: the same window, the victim idle:
+    the aggressor's throughput alone)."""
     clock = monotonic_clock()
     counter = [0]
     victim, aggressor = Tally(), Tally()
@@ -146,13 +147,14 @@ async def phase(url: str, args: argparse.Namespace, *, flood: str | None) -> dic
         flooding = [asyncio.create_task(client_loop(session, url, "aggressor", args.aggressor_tokens, aggressor,
                                                     None, clock, counter, leave=flood == "leave"))
                     for _ in range(args.aggressor_concurrency if flood else 0)]
-        ramp_from = clock() + args.ramp_seconds / 2
         if flood:
             await asyncio.sleep(args.ramp_seconds)
         start_at = clock()
         await asyncio.gather(*(client_loop(session, url, "victim", args.victim_tokens, victim,
                                            start_at + args.phase_seconds, clock, counter)
-                               for _ in range(args.victim_concurrency)))
+                               for _ in range(args.victim_concurrency if victim_runs else 0)))
+        if not victim_runs:
+            await asyncio.sleep(args.phase_seconds)
         end_at = clock()
         for task in flooding:
             task.cancel()
@@ -163,7 +165,6 @@ async def phase(url: str, args: argparse.Namespace, *, flood: str | None) -> dic
     return {"n": len(times), "errors": len(errors), "first_error": errors[0] if errors else None,
             "p50": percentile(times, 50), "p90": percentile(times, 90),
             "aggressor": done(aggressor, start_at, end_at) / (end_at - start_at) if flood else None,
-            "aggressor_idle_victim": done(aggressor, ramp_from, start_at) / (start_at - ramp_from) if flood else None,
             "aggressor_errors": sum(1 for r in aggressor.results if r.error and "Cancelled" not in r.error),
             "seconds": end_at - start_at}
 
@@ -181,8 +182,9 @@ def report(results: dict[str, dict[str, dict]], args: argparse.Namespace) -> Non
             ratios = [f"{r[k] / alone[k]:.2f}" if r[k] is not None and alone[k] else "-" for k in ("p50", "p90")]
             p50, p90 = (f"{1000 * r[k]:.0f}" if r[k] is not None else "-" for k in ("p50", "p90"))
             unit = "req/s" if "leave" in name else "tok/s"
-            kept = (f"{r['aggressor'] / r['aggressor_idle_victim']:.2f}"
-                    if r["aggressor"] is not None and r["aggressor_idle_victim"] else "-")
+            alone_flood = phases.get(f"{name.split(',')[0]}, aggressor alone")
+            kept = (f"{r['aggressor'] / alone_flood['aggressor']:.2f}"
+                    if r["aggressor"] is not None and alone_flood and alone_flood["aggressor"] else "-")
             got = f"{r['aggressor']:.1f} {unit}" if r["aggressor"] is not None else "-"
             print(f"{policy:<9} {name:<24} {r['n']:>4} {r['errors']:>4} {p50:>11} {p90:>8} {ratios[0]:>11} "
                   f"{ratios[1]:>11} {got:>12} {kept:>7}")
@@ -204,7 +206,9 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace) -> dict[str, 
               "APPLIANCE_ADMISSION__MAX_LIMIT": limit,
               "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": str(args.queue_timeout),
               "APPLIANCE_ADMISSION__SHARE_WINDOW_SECONDS": str(args.share_window),
-              "APPLIANCE_REQUEST_TIMEOUT_SECONDS": "900"}
+              "APPLIANCE_REQUEST_TIMEOUT_SECONDS": "900",
+              # both gateways call the one engine: the key it requires, shared (unset, the appliance makes one)
+              "APPLIANCE_GATEWAY__ENGINE_KEY": "bench-engine-key-0123456789"}
     engine_cores, other_cores = split_cores()
     started = time.monotonic()
     fair = start([sys.executable, "-m", "appliance.cli", "serve"],
@@ -229,12 +233,14 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace) -> dict[str, 
         print(f"{policy}: engine and gateways ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
         engine_url, fair_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{fair_port}"
         asyncio.run(phase(fair_url, argparse.Namespace(**{**vars(args), "phase_seconds": 5}), flood=None))  # warm-up
-        runs: list[tuple[str, str, str | None]] = [("alone", fair_url, None)]
-        runs += [(f"{flood}, {name}", url, flood) for flood in args.floods.split(",") for name, url in gateways.items()]
+        runs: list[tuple[str, str, str | None, bool]] = [("alone", fair_url, None, True)]
+        for flood in args.floods.split(","):
+            runs.append((f"{flood}, aggressor alone", fair_url, flood, False))
+            runs += [(f"{flood}, {name}", url, flood, True) for name, url in gateways.items()]
         results: dict[str, dict] = {}
-        for name, url, flood in runs:
+        for name, url, flood, victim_runs in runs:
             asyncio.run(engine_idle(engine_url))
-            results[name] = asyncio.run(phase(url, args, flood=flood))
+            results[name] = asyncio.run(phase(url, args, flood=flood, victim_runs=victim_runs))
             print(f"{policy} {name}: done ({results[name]['seconds']:.0f}s, {results[name]['n']} victim requests)",
                   flush=True)
         return results
