@@ -261,7 +261,9 @@ def test_summary_orders_by_tokens_and_every_configured_tenant_has_series():
 
 def _vllm_chat_stream(tokens: int, choices: int) -> tuple[list[bytes], bytes]:
     """A vLLM chat stream with include_usage (content chunks of ``choices`` choices, each choice's finishing chunk,
-    the usage event with the fingerprint, [DONE]) and what a client that did not ask for usage would have got."""
+    the usage event with the fingerprint, [DONE]) and what the relay sends a client that did not ask for usage
+    while the engine's fingerprint is not known: the chunks vLLM writes that client, each choice's finishing chunk
+    where the usage event was."""
     head = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"demo"'
 
     def chunk(index: int, content: str, finish: str | None) -> bytes:
@@ -269,22 +271,25 @@ def _vllm_chat_stream(tokens: int, choices: int) -> tuple[list[bytes], bytes]:
         return (f'data: {{{head},"choices":[{{"index":{index},"delta":{{"content":"{content}"}},'
                 f'"logprobs":null,"finish_reason":{reason}}}]}}\n\n').encode()
 
-    # Choice 0 finishes half-way; the others stream on after it (held events must keep their order).
-    events = [chunk(i % choices, f" w{i}", None) for i in range(tokens // 2)] + [chunk(0, " end", "length")]
-    events += [chunk(1 + i % (choices - 1) if choices > 1 else 0, f" v{i}", None) for i in range(tokens // 2)]
-    events += [chunk(i, " end", "length") for i in range(1, choices)]
+    # Choice 0 finishes half-way; the others stream on after it (a choice's finishing chunk is its last).
+    events = [chunk(i % choices, f" w{i}", None) for i in range(tokens // 2)]
+    later = [chunk(1 + i % (choices - 1) if choices > 1 else 0, f" v{i}", None) for i in range(tokens // 2)]
+    finishes = [chunk(i, " end", "length") for i in range(choices)]
+    events += [*finishes[:1], *later, *finishes[1:]] if choices > 1 else [*later, *finishes]
     usage = f'data: {{{head},"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":{tokens + choices}}},' \
             '"system_fingerprint":"fp"}\n\n'
-    expected = b"".join(events).replace(b'"finish_reason":"length"}]}',
-                                          b'"finish_reason":"length"}],"system_fingerprint":"fp"}')
+    stamped = b"".join(finishes).replace(b'"finish_reason":"length"}]}',
+                                         b'"finish_reason":"length"}],"system_fingerprint":"fp"}')
+    expected = b"".join(event for event in events if event not in finishes) + stamped
     return [*events, usage.encode(), DONE], expected + DONE
 
 
 @pytest.mark.parametrize("choices", [1, 2])
 def test_hiding_usage_gives_the_client_its_bytes_however_the_reads_cut_the_stream(choices: int) -> None:
     """Property (seeded storm of cut points): the relay's block framing (SSEEvents.feed_block) and HiddenUsage's
-    fast path for blocks with nothing to hide give exactly the bytes of a stream without usage, wherever the
-    engine's reads split events (mid-event, mid-marker, several events a read)."""
+    fast path for blocks with nothing to hide give the bytes of a stream without usage (each finishing chunk when
+    the usage event comes), wherever the engine's reads split events (mid-event, mid-marker, several events a
+    read)."""
     import random
 
     events, expected = _vllm_chat_stream(40, choices)

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.gateway.upstream.sse import DONE, payload, split_events
+from appliance.gateway.tenants.fingerprint import Fingerprint
+from appliance.gateway.upstream.sse import payload, split_events
 
 
 @dataclass
@@ -55,6 +56,8 @@ FINAL_USAGE = b'"choices":[],"usage":{'  # the final usage event, as vLLM writes
 # details: null or one level of numbers), never the final usage event's (which follows an empty choices list).
 RUNNING_FIELD = b',"usage":{'
 EMPTY_CHOICES = b'"choices":[]'
+CHOICE_CHUNK = b'"choices":[{'  # a chunk of some choice (vLLM writes one choice a chunk)
+DATA = b"data: "  # once an event (more only where generated text holds it: then the events are read one by one)
 RUNNING = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":\d+,"completion_tokens":(\d+)')
 RUNNING_MARK = b'"usage":{"prompt_tokens":'
 CHOICE_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
@@ -210,48 +213,64 @@ def final_usage(event: bytes) -> dict[str, Any] | None:
 class HiddenUsage:
     """Hides the usage event the gateway asked for, so the client's bytes are those it would have had without it.
 
-    vLLM puts ``system_fingerprint`` on a stream's finishing chunk when no usage event follows, and on the usage
-    event when one does. So a finishing chunk (and whatever follows it) is held until the usage event comes; the
-    fingerprint moves onto the finishing chunks (as their last key, where vLLM writes it), the usage event is
-    dropped. Fed whole events; returns the bytes to send now. ``flush`` gives back what is held (the stream ended
-    or broke without a usage event)."""
+    vLLM puts ``system_fingerprint`` on a stream's finishing chunks when no usage event follows, and on the usage
+    event when one does; the client must get it on the finishing chunks (as their last key, where vLLM writes it).
+    When the engine's fingerprint is known beforehand (``expected``: the engine reported it before, see
+    ``fingerprint``), every finishing chunk gets it as it comes and nothing is held. Otherwise a finishing chunk
+    waits for the usage event, and only it: the other choices' chunks pass as they come (a client reassembles
+    choices by ``index``, and each choice's finishing chunk is its last), so what is held is one event per choice
+    at most, whatever the stream's length. A stream that ends without a usage event (an error event, ``[DONE]``)
+    gets what is held first, as it came. Fed whole events; returns the bytes to send now. ``flush`` gives back
+    what is held (the stream ended or broke)."""
 
-    def __init__(self) -> None:
-        self._held: list[bytes] = []
+    __slots__ = ("_held", "expected", "reported", "usage")
+
+    def __init__(self, expected: Fingerprint | None = None) -> None:
+        self._held: list[bytes] = []  # finishing chunks waiting for the usage event's fingerprint, in order
+        self.expected = expected  # the leg's engine's fingerprint, when known before its usage event
+        self.reported: Fingerprint | None = None  # the fingerprint the last usage event carried
         self.usage: dict[str, Any] | None = None  # the last usage event's usage (the engine's report)
 
     def feed(self, events: bytes) -> bytes:
-        if not self._held and FINAL_USAGE not in events and FINISH.search(events) is None:
-            return events  # token chunks, nothing to hold or hide: one scan of the block, no event-by-event work
-        out = b""
+        if FINAL_USAGE not in events and FINISH.search(events) is None and (
+                not self._held or events.count(DATA) == events.count(CHOICE_CHUNK)):
+            return events  # choices' tokens, nothing to hold or hide: a few scans of the block, no event-by-event work
+        out: list[bytes] = []
         for event in split_events(events):
-            final = final_usage(event)
+            final = final_usage(event) if FINAL_USAGE in event else None
             if final is not None:
                 self.usage = final["usage"]
-                fingerprint = final.get("system_fingerprint")
-                out += b"".join(_with_fingerprint(held, fingerprint) for held in self._held)
+                self.reported = Fingerprint.of(final)
+                out += (_with_fingerprint(held, self.reported.value) for held in self._held)
                 self._held = []
-            elif self._held or FINISH.search(event):
-                if event == DONE:
-                    out += self.flush() + event
-                else:
+            elif FINISH.search(event):
+                if self.expected is None:
                     self._held.append(event)
+                else:
+                    out.append(_with_fingerprint(event, self.expected.value))
+            elif self._held and CHOICE_CHUNK not in event:  # an error event, [DONE]: no usage event is coming
+                out += (self.flush(), event)
             else:
-                out += event
-        return out
+                out.append(event)
+        return b"".join(out)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(len(held) for held in self._held)
 
     def flush(self) -> bytes:
         held, self._held = self._held, []
         return b"".join(held)
 
 
-def _with_fingerprint(event: bytes, fingerprint: Any) -> bytes:
-    if not isinstance(fingerprint, str) or not FINISH.search(event) or b'"system_fingerprint"' in event:
+def _with_fingerprint(event: bytes, fingerprint: str | None) -> bytes:
+    if fingerprint is None or not FINISH.search(event) or b'"system_fingerprint"' in event:
         return event
     body = event.rstrip(b"\n")
     if not body.endswith(b"}"):
         return event
-    return body[:-1] + b',"system_fingerprint":' + json.dumps(fingerprint).encode() + b"}\n\n"
+    # As pydantic writes it (vLLM's models): UTF-8, not \u escapes
+    return body[:-1] + b',"system_fingerprint":' + json.dumps(fingerprint, ensure_ascii=False).encode() + b"}\n\n"
 
 
 def body_usage(content: bytes) -> dict[str, Any] | None:
