@@ -327,3 +327,44 @@ def test_the_engines_run_as_their_own_user_in_none_of_the_secrets_groups(service
         assert service["user"] == "root", name
         assert service["environment"]["APPLIANCE_ENGINE__USER"] == "appliance-engine", name
         assert ("appliance-engine-home", "/var/lib/appliance-engine", False) in _mounts(service), name
+
+
+def test_the_documented_precise_prefix_switch_reaches_the_appliance_and_subscribes_on_loopback(tmp_path,
+                                                                                              monkeypatch) -> None:
+    """docs/compose.md's precise prefix routing lines, as an operator's env file: they reach both appliance
+    services, and with them the settings run the engines' KV events on the container's loopback and subscribe the
+    gateway there (the engines listen on the `engines` network's address, the events stay on 127.0.0.1); the
+    committed defaults stay approximate (docs/tuning.md)."""
+    from appliance.composition.prefix_cache import event_endpoints
+    from appliance.engine.kv_events import kv_events_config
+    from appliance.settings import load_settings
+    from tests.doubles import FakeReplica
+
+    doc = (ROOT / "docs" / "compose.md").read_text()
+    section = doc.split("### Precise prefix routing", 1)[1].split("\n#", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = dict(line.split("=", 1) for line in block.splitlines() if line.strip())
+    assert set(lines) == {"APPLIANCE_ENGINE__KV_EVENTS", "APPLIANCE_ROUTING__PREFIX_CACHE__MODE"}
+    env_file = tmp_path / "appliance.env"
+    env_file.write_text(block)
+    result = _compose_config({**REQUIRED_ENV, "APPLIANCE_ENV_FILE": str(env_file)})
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("appliance", "appliance-cpu"):
+        env = services[name]["environment"]
+        assert {key: env.get(key) for key in lines} == lines, name
+        for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
+            monkeypatch.delenv(key)
+        for key in (*lines, "APPLIANCE_ENGINE_HOST"):
+            monkeypatch.setenv(key, env[key])
+        settings = load_settings(ROOT / "deploy" / "compose" / "appliance.yaml")
+        assert settings.role == "all" and settings.routing.prefix_cache.mode == "precise-with-fallback"
+        assert settings.routing.prefix_cache.tokenizer is None  # the served model's own (`model`)
+        subscribe = event_endpoints(settings)
+        assert subscribe is not None
+        replica = subscribe(FakeReplica("replica-0", f"http://{env['APPLIANCE_ENGINE_HOST']}:8100"))
+        assert replica is not None and replica.events == "tcp://127.0.0.1:9100"
+        assert kv_events_config(8100, settings.engine)["endpoint"] == "tcp://[::ffff:127.0.0.1]:9100"
+    for key in lines:
+        monkeypatch.delenv(key)
+    assert Settings().routing.prefix_cache.mode == "approximate" and Settings().engine.kv_events == "off"

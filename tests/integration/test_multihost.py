@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -181,4 +182,80 @@ def test_gateways_follow_nodes_through_dns(demo_model_int8, tmp_path):
     finally:
         stop_load.set()
         ApplianceProcess.stop_all(started)
+        dns.stop()
+
+
+def test_gateways_route_on_the_same_engines_kv_events(demo_model_int8, tmp_path):
+    """Precise prefix routing as deploy/kubernetes/components/precise-prefix sets it up: a node (role node) whose
+    engines publish their KV-cache events on the network (engine.kv_events network), two gateways (role gateway)
+    that find it through DNS and subscribe (discovery.kv_events, precise-with-fallback, the model's tokenizer). A
+    prompt served through one gateway is, on its repeat through the other gateway, which never saw it, routed to
+    the engine that holds it, on that engine's own events: every full block, as the second gateway hashes them."""
+    from appliance.gateway.routing.kv_events.tokens import PromptTokenizer, token_job
+    from tests.integration.conftest import ports_with_kv_events
+    from tests.integration.test_kv_events import samples
+
+    dns = TestDNSServer().start()
+    engine_port = ports_with_kv_events(2)
+    common = {"APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN, "APPLIANCE_DISCOVERY__INTERVAL_SECONDS": str(INTERVAL)}
+    node = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path / "node", replicas=2, host="127.0.0.2",
+                            base_port=engine_port,
+                            env={**common, "APPLIANCE_ROLE": "node", "APPLIANCE_HOST": "127.0.0.2",
+                                 "APPLIANCE_ENGINE_HOST": "127.0.0.2", "APPLIANCE_ENGINE__KV_EVENTS": "network"})
+    gateway_env = {**common, "APPLIANCE_ROLE": "gateway", "APPLIANCE_ENGINE_BASE_PORT": str(engine_port),
+                   "APPLIANCE_DISCOVERY__NAME": NAME, "APPLIANCE_DISCOVERY__NAMESERVER": dns.address,
+                   "APPLIANCE_DISCOVERY__ENGINES_PER_NODE": "2", "APPLIANCE_DISCOVERY__KV_EVENTS": "true",
+                   "APPLIANCE_ROUTING__PREFIX_CACHE__MODE": "precise-with-fallback",
+                   "APPLIANCE_ROUTING__PREFIX_CACHE__TOKENIZER": str(demo_model_int8)}
+    gateways = [ApplianceProcess(model=demo_model_int8, state_dir=tmp_path / f"gateway-{i}", replicas=1,
+                                 env=gateway_env) for i in range(2)]
+    names = {f"127.0.0.2:{engine_port + i}" for i in range(2)}
+
+    def decision(url: str, request_id: str) -> dict:
+        record = httpx.get(f"{url}/admin/requests/{request_id}", timeout=30,
+                           headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+        return record["attempts"][-1]["decision"] | {"replica": record["replica"]}
+
+    tokenizer = PromptTokenizer(demo_model_int8, threads=1)
+    try:
+        dns.set(NAME, ["127.0.0.2"])
+        for process in (node, *gateways):
+            process.start()
+        node.wait_ready(timeout=400)
+        for gw in gateways:
+            gw.wait_ready(replicas=2, timeout=60)
+            wait_until(lambda gw=gw: samples(gw.url, "appliance_routing_kv_index_usable") == dict.fromkeys(names, 1.0),
+                       timeout=60)
+        text = httpx.get(f"http://127.0.0.2:{engine_port}/metrics", timeout=30).text  # vLLM's own block size
+        line = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+        size = int(line.split('block_size="', 1)[1].split('"', 1)[0])
+        topic = f"Conversation {uuid.uuid4().hex}: the for statement, the while statement and the with statement. "
+        body = {"model": "demo", "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "system", "content": topic * 12}, {"role": "user", "content": "Explain."}]}
+        prompt = tokenizer.tokenize(token_job("chat", body))
+        held = len(prompt) // size * size
+        assert held >= 3 * size and len(prompt) < 1000, len(prompt)
+
+        first, second = gateways
+        ids = [f"shared-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+        response = httpx.post(f"{first.url}/v1/chat/completions", json=body, headers={"x-request-id": ids[0]},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        served = decision(first.url, ids[0])["replica"]
+        wait_until(lambda: samples(second.url, "appliance_routing_kv_index_blocks").get(served, 0.0) >= held // size,
+                   timeout=10)
+        response = httpx.post(f"{second.url}/v1/chat/completions", json=body, headers={"x-request-id": ids[1]},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        again = decision(second.url, ids[1])
+        print(f"\nshared kv events: {len(prompt)} tokens, served by {served} through gateway 0; "
+              f"the repeat through gateway 1: {again}")
+        (other,) = names - {served}
+        assert again["scores"][served]["prefix"] == pytest.approx(held / len(prompt))
+        assert again["scores"][other]["prefix"] == 0.0
+        assert again["replica"] == served and again["decided_by"] == "prefix"
+        assert samples(second.url, "appliance_routing_prefix_source_total").get("precise", 0.0) >= 1
+    finally:
+        tokenizer.close()
+        ApplianceProcess.stop_all([node, *gateways])
         dns.stop()
