@@ -75,6 +75,14 @@ class BatchCollector(Collector):
                                  ("pending", batch.pending)):
                 lines.add_metric([batch.tenant, batch.id, state], count)
         yield lines
+        # The deadline, not the time left: it is exact however old the runner's reading is, and an alert can set
+        # it against the batch's pending lines and their recent pace (time() - ...).
+        expiry = GaugeMetricFamily("appliance_batch_expiry_timestamp_seconds", "Unix time at which each batch "
+                                   "not yet ended expires (created_at + its completion_window): past it, the lines "
+                                   "still pending are answered batch_expired.", labels=["tenant", "batch"])
+        for batch in summary.active:
+            expiry.add_metric([batch.tenant, batch.id], batch.expires_at)
+        yield expiry
         in_flight = GaugeMetricFamily("appliance_batch_lines_in_flight", "Batch lines sent and not yet answered, by "
                                       "tenant.", labels=["tenant"])
         for tenant, count in sorted(self._in_flight().items()):

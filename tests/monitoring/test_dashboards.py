@@ -221,6 +221,12 @@ def test_the_brief_is_covered() -> None:
             "appliance_routing_decisions_total", "appliance_routing_prefix_match_ratio_bucket",
             "appliance_routing_prefix_index_bytes", "appliance_routing_prefix_yields_total",
             "appliance_routing_duration_seconds_bucket"} <= queried("appliance-capacity")
+    assert {"appliance_routing_prefix_source_total", "appliance_routing_precise_fallbacks_total",
+            "appliance_routing_kv_index_usable", "appliance_routing_kv_event_batches_lost_total",
+            "appliance_routing_kv_event_lag_seconds", "appliance_batches", "appliance_batch_lines",
+            "appliance_batch_lines_in_flight", "appliance_batch_lines_answered_total",
+            "appliance_batch_lines_deferred_total", "appliance_batch_lines_given_back_total",
+            "appliance_batch_tokens_total", "appliance_batch_expiry_timestamp_seconds"} <= queried("appliance-capacity")
     assert {"appliance_mbu_ratio", "appliance_mfu_ratio", "appliance_engine_resident_memory_bytes",
             "appliance_gpu_memory_used_bytes", "appliance_engine_memory_fragmentation_ratio",
             "appliance_engine_oom_total", "appliance_gpu_temperature_celsius", "appliance_gpu_power_watts",

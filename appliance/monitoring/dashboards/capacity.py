@@ -1,4 +1,5 @@
-"""Appliance / Capacity: is there headroom? KV cache, queues, batching, preemptions, admission control, routing."""
+"""Appliance / Capacity: is there headroom? KV cache, queues, batching, preemptions, admission control, routing,
+and the batches that run on what interactive traffic leaves."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from appliance.monitoring.dashboards.panels import (
 UID = "appliance-capacity"
 KV_FULL, BACKLOG, SHEDDING, PREEMPTIONS = ("ApplianceKVCacheNearFull", "ApplianceQueueBacklog",
                                            "ApplianceLoadShedding", "AppliancePreemptionStorm")
+KV_EVENTS_LOST, BATCH_WINDOW = "ApplianceKVEventsLost", "ApplianceBatchWindowMissed"
 # Labels of vllm:cache_config_info (vLLM's CacheConfig as an info metric) that capacity planning reads.
 CACHE_CONFIG_LABELS = "replica, model, cache_dtype, block_size, num_gpu_blocks, enable_prefix_caching"
 
@@ -71,6 +73,105 @@ def routing_panels(gw: str, engine: str) -> list[dict[str, Any]]:
                             "replica (0 = a new prefix, 1 = all of it)."),
         heatmap(27, "Routing time distribution", duration, gw, unit="s",
                 description="Requests per bucket of the router's decision time."),
+    ]
+
+
+def precise_routing_panels(config: MonitoringConfig, gw: str, gw_replica: str) -> list[dict[str, Any]]:
+    """Precise prefix routing (routing.prefix_cache.mode precise or precise-with-fallback): where the prefix scores
+    came from, and each replica's KV event index. In approximate mode these series do not exist: no data."""
+    lost = runbooks(config, KV_EVENTS_LOST)
+    return [
+        timeseries(28, "Prefix score source",
+                   target(rate("appliance_routing_prefix_source_total", gw, by="source"), "{{source}}"),
+                   unit="ops", stack=True, links=lost,
+                   description="Routing decisions per second by where the chosen replica's prefix score came from: "
+                               "precise (its engine's KV events), approximate (the fallback of "
+                               "precise-with-fallback), none (precise mode, the replica's cache unknown: no "
+                               "affinity). Anything but precise is a decision made without the engines' word."),
+        timeseries(29, "Precise fallbacks by reason",
+                   target(rate("appliance_routing_precise_fallbacks_total", gw, by="reason"), "{{reason}}"),
+                   target(rate("appliance_routing_prompts_untokenized_total", gw, by="reason"),
+                          "untokenized {{reason}}"),
+                   unit="ops", links=lost,
+                   description="Replica scores per second that could not be precise: unknown_replica (its event "
+                               "index is not current: lost events, a restart, a resync), no_tokens (the prompt was "
+                               "not tokenized); and requests routed without their tokens, by why (busy: more than "
+                               "routing.prefix_cache.max_pending_tokenizations at once)."),
+        timeseries(30, "KV event index usable by replica",
+                   target(f"appliance_routing_kv_index_usable{{{gw_replica}}}", "{{replica}} at {{instance}}"),
+                   unit="none", w=8, min_=0, max_=1, links=lost,
+                   description="1 while a gateway's index of the replica's cache is in step with its engine's KV "
+                               "events and routed on; 0 while unknown (disconnected, events lost and being "
+                               "resynced, the engine starting). 0 on a ready replica for long is "
+                               "ApplianceKVEventsLost."),
+        timeseries(31, "KV event batches lost",
+                   increase_by("appliance_routing_kv_event_batches_lost_total", gw_replica, "replica", "lost"),
+                   increase_by("appliance_routing_kv_index_resets_total", gw_replica, "replica, reason", "reset"),
+                   unit="none", w=8, min_=0, links=lost,
+                   description="Event batches missed for good per interval (gaps no replay filled, batches that "
+                               "could not be decoded), and why each replica's index was emptied: restart, "
+                               "publisher_restart, all_blocks_cleared and sync are the engine's own news; "
+                               "replay_gap, replay_failed, undecodable and malformed are losses."),
+        timeseries(32, "KV event lag",
+                   target(f"max by (replica) (appliance_routing_kv_event_lag_seconds{{{gw_replica}}})",
+                          "{{replica}}"),
+                   unit="s", w=8, min_=0,
+                   description="Delay of each replica's last event batch from its engine's publish to the "
+                               "gateway's index (the slowest gateway; host clocks, so hosts must agree on the "
+                               "time): a prefix cached less than this ago is not yet scored."),
+    ]
+
+
+def batch_panels(config: MonitoringConfig, gw: str) -> list[dict[str, Any]]:
+    """The Batch API (docs/batch.md): batches and their lines, and how the idle capacity they run on comes and
+    goes. Each gateway runs the batches of its own store: panels sum over gateways."""
+    window = runbooks(config, BATCH_WINDOW)
+    horizon = config.alerts.ApplianceBatchWindowMissed.horizon_seconds
+    return [
+        timeseries(33, "Batches by status", target(f"sum by (status) (appliance_batches{{{gw}}})", "{{status}}"),
+                   unit="none", w=8, min_=0, links=window,
+                   description="Batches stored, by status (validating, in_progress, finalizing, cancelling, and "
+                               "the ended: completed, failed, cancelled, expired). A step in expired is a batch "
+                               "that missed its completion window."),
+        timeseries(34, "Batch lines pending and in flight",
+                   target(f'sum by (tenant) (appliance_batch_lines{{{gw}, state="pending"}})', "pending {{tenant}}"),
+                   target(f"sum by (tenant) (appliance_batch_lines_in_flight{{{gw}}})", "in flight {{tenant}}"),
+                   unit="none", w=8, min_=0, links=window,
+                   description="Lines of the batches not yet ended still to answer, per tenant, and those sent and "
+                               "not yet answered: pending flat while none are in flight means no idle capacity."),
+        timeseries(35, "Batch time left",
+                   target(f"min by (tenant, batch) (appliance_batch_expiry_timestamp_seconds{{{gw}}}) - time()",
+                          "{{tenant}} {{batch}}"),
+                   unit="s", w=8, min_=0, thresholds=[(None, "orange"), (horizon, "green")], links=window,
+                   description="Time until each batch not yet ended expires (its completion_window). Below the "
+                               "dashed line, ApplianceBatchWindowMissed forecasts whether its pending lines can "
+                               "still be answered at the pace of the last hour."),
+        timeseries(36, "Batch lines answered by file",
+                   target(rate("appliance_batch_lines_answered_total", gw, by="tenant, result"),
+                          "{{tenant}} {{result}}"),
+                   unit="ops", links=window,
+                   description="Batch lines answered per second, per tenant and the file their result went to: "
+                               "output (2xx) or error (any other answer, malformed lines aside, and the lines a "
+                               "batch had not answered when it expired or was cancelled)."),
+        timeseries(37, "Batch tokens by tenant",
+                   target(rate("appliance_batch_tokens_total", gw, by="tenant, kind"), "{{tenant}} {{kind}}"),
+                   unit="suffix: tok/s", stack=True,
+                   description="Prompt and completion tokens per second of batch lines answered 2xx, per tenant: "
+                               "the capacity batch work took (also counted in the tenants' own tokens)."),
+        timeseries(38, "Batch lines deferred by reason",
+                   target(rate("appliance_batch_lines_deferred_total", gw, by="reason"), "{{reason}}"),
+                   unit="ops", links=window,
+                   description="Batch lines per second that found no room and wait to run later: "
+                               "no_idle_capacity (interactive traffic uses the headroom), rate_limited (the "
+                               "tenant's quota), unavailable (no ready replica, a drain), server_error (a retry "
+                               "after a 5xx)."),
+        timeseries(39, "Batch lines given back by reason",
+                   target(rate("appliance_batch_lines_given_back_total", gw, by="reason"), "{{reason}}"),
+                   unit="ops",
+                   description="Batch lines in flight given back unanswered per second (the engine aborts them; "
+                               "they run again unless their batch ended): preempted (an interactive request "
+                               "queued), draining, cancelled, expired, failed, stopped. Preempted work is "
+                               "computed again."),
     ]
 
 
@@ -180,7 +281,8 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:
     ]
     sections = [Section(101, "Headroom now", now), Section(102, "KV cache", kv_cache),
                 Section(103, "Queues and admission", queues), Section(104, "Engines", engines),
-                Section(105, "Routing", routing_panels(gw, engine))]
+                Section(105, "Routing", [*routing_panels(gw, engine), *precise_routing_panels(config, gw, gw_replica)]),
+                Section(106, "Batches", batch_panels(config, gw))]
     return dashboard(UID, "Appliance / Capacity",
                      "Is there headroom? KV cache, queues, batching, preemptions and admission control.",
                      sections, ["capacity"], sel)
