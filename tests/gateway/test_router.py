@@ -34,6 +34,17 @@ def test_only_routable_replicas_under_their_limit():
     assert router.try_acquire() is None  # b is at its limit of 1
 
 
+def test_a_replica_out_of_routing_is_read_while_it_has_requests_in_flight():
+    """A draining replica's engine keeps working on its requests: its counters are read until the last one ends
+    (the tenants' reconciliation counts that work), then no more."""
+    router, (r0, r1), _ = make()
+    assert router.try_acquire(exclude={"replica-1"}) is r0
+    r0.drain()
+    assert router.poll_targets() == [r0, r1]
+    router.release(r0, Outcome.SUCCESS)
+    assert router.poll_targets() == [r1]
+
+
 def test_consecutive_failures_eject_and_probe_brings_back():
     router, (r0, r1), clock = make(eject_consecutive_failures=2, eject_base_seconds=5)
     for _ in range(2):

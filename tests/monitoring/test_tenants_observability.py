@@ -37,12 +37,14 @@ def test_the_tenant_variable_lists_the_configured_tenants_and_filters_every_tena
     unfiltered = []
     for panel in board["panels"]:
         for target in panel.get("targets", []):
-            # Each selector of a tenant series filters by $tenant, except a share's denominator (all tenants).
+            # Each selector of a tenant series filters by $tenant, except a share's denominator (all tenants) and
+            # the accounting's reconciliation (per replica, of all tenants: it has no tenant label).
             for name, matchers in re.findall(r"(appliance_tenant_\w+)\{([^}]*)\}", target["expr"]):
                 if 'tenant=~"$tenant"' not in matchers:
                     unfiltered.append((panel["title"], name))
     assert set(unfiltered) == {("Largest token share", "appliance_tenant_tokens_total"),
-                               ("Share of tokens by tenant", "appliance_tenant_tokens_total")}
+                               ("Share of tokens by tenant", "appliance_tenant_tokens_total"),
+                               ("Accounting drift by replica", "appliance_tenant_reconciled_tokens_total")}
 
 
 def test_the_share_is_of_all_tenants_and_excludes_cached_prompt_tokens() -> None:
@@ -75,7 +77,22 @@ def test_panels_draw_the_alerts_bounds_from_the_config() -> None:
 
 def test_each_tenant_alert_links_from_a_panel_of_the_tenants_dashboard() -> None:
     linked = {link["title"] for p in _board()["panels"] for link in p.get("links", [])}
-    assert {"Runbook: ApplianceTenantThrottled", "Runbook: ApplianceTenantTTFTBurn"} <= linked
+    assert {"Runbook: ApplianceTenantThrottled", "Runbook: ApplianceTenantTTFTBurn",
+            "Runbook: ApplianceTenantAccountingDrift"} <= linked
+
+
+def test_the_accounting_drift_panel_reads_the_alerts_records_and_draws_its_bounds() -> None:
+    """The panel shows the drift as the alert's records compute it (per replica, and the fleet's), over the
+    dashboard's interval, with the alert's threshold either side of 0 from alerts/config.yaml."""
+    raw = yaml.safe_load(CONFIG_PATH.read_text())
+    raw["alerts"]["ApplianceTenantAccountingDrift"].update(threshold=0.2, window="1h")
+    panel = _panel(_board(raw), "Accounting drift by replica")
+    assert _steps(panel) == [None, -0.2, 0.2]
+    exprs = [t["expr"] for t in panel["targets"]]
+    records = {rule["record"]: rule["expr"] for group in rules.recording_groups(parse_config(raw))
+               for rule in group["rules"]}
+    assert exprs == [records[f"{level}:appliance_tenant_accounting_drift:ratio_rate1h"].replace(
+        "[1h]", "[$__rate_interval]") for level in ("job_replica_kind", "job_kind")]
 
 
 def _tenant_rules(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

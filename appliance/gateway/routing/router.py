@@ -191,9 +191,11 @@ class Router:
     # -- engine readings ----------------------------------------------------------------------------------------
 
     def poll_targets(self) -> list[Replica]:
-        """Replicas whose /metrics is worth reading: routable ones, and ejected ones due for their probe."""
+        """Replicas whose /metrics is worth reading: routable ones, ejected ones due for their probe, and any with
+        requests still in flight (a draining replica's counters keep rising until its last request ends: the
+        tenants' reconciliation reads them)."""
         due = set(self.ejector.due_for_probe())
-        return [r for r in self._replicas() if r.routable or r.name in due]
+        return [r for r in self._replicas() if r.routable or r.name in due or self.in_flight(r.name) > 0]
 
     def update_load(self, name: str, load: EngineLoad) -> None:
         self.load[name] = load

@@ -7,6 +7,7 @@ their fair share of the engines when one floods the gateway (docs/tenants.md).
   the reservation each request holds in them (``cost``: a request's worst case);
 - ``accounting``: per-tenant requests, tokens (from the engines' usage), TTFT and queue wait, for /metrics and
   ``appliance status``;
+- ``reconcile``: what tenants were charged for each replica's work against its engine's own token counters;
 - ``fair_share``: the admission queue's order between tenants (priority, then weighted least-served) and each
   tenant's share of a replica while others want it (``appliance.gateway.admission`` applies it);
 - the hooks on the request path: ``metering`` (quota, usage, accounting), ``isolation`` (each tenant's prefix
