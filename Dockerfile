@@ -3,6 +3,7 @@
 #   GPU (default):      docker build -t appliance:gpu .                       (wheelhouse: APPLIANCE_WHEELHOUSE_EXTRAS=gpu)
 #   CPU:                docker build --build-arg ENGINE_BUILD=cpu -t appliance:cpu .
 #   monitoring-config:  docker build --target config -t appliance:config .   (renders Prometheus/Alertmanager files)
+#   quota store:        docker build --target quota-store -t appliance:quota-store .  (Redis for several gateways)
 # BASE_IMAGE: any Debian-family image; one without Python gets Debian's python3 (bookworm: 3.11, as vLLM needs).
 # compose.yaml builds all three.
 ARG BASE_IMAGE=python:3.11-slim
@@ -99,3 +100,14 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
 # As root (compose), the entrypoint becomes the appliance user before anything runs; as the appliance, it just runs.
 ENTRYPOINT ["tini", "--", "appliance-entrypoint"]
 CMD ["up", "--no-monitoring"]
+
+# The tenants' shared quota store for several gateways (Kubernetes: deploy/kubernetes/base/quota-store.yaml):
+# Debian's redis-server and nothing else, no Python. docker build --target quota-store -t appliance:quota-store .
+FROM ${BASE_IMAGE} AS quota-store
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server tini \
+    && rm -rf /var/lib/apt/lists/*
+COPY deploy/image/quota-store /usr/local/bin/quota-store
+# Any non-root user will do (Kubernetes sets 10003); the store writes only /tmp (its config with the password).
+USER 10003:10003
+EXPOSE 6379
+ENTRYPOINT ["tini", "--", "quota-store"]

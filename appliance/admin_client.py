@@ -127,6 +127,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines += format_replica_errors(status["replicas"])
     lines += format_scheduling(status["replicas"])
     lines += format_tenants(status.get("tenants") or [])
+    lines += format_quota_store(status.get("quota_store") or {})
     if status.get("maintenance"):
         lines += format_maintenance(status["maintenance"])
     return "\n".join(lines)
@@ -139,6 +140,18 @@ def format_scheduling(replicas: list[dict[str, Any]]) -> list[str]:
     if "priority" not in policies.values():
         return []
     return ["engine scheduling: " + "; ".join(f"{name} {policy}" for name, policy in policies.items())]
+
+
+def format_quota_store(store: dict[str, Any]) -> list[str]:
+    """The shared quota store's state; nothing for the embedded buckets (one gateway: nothing to say)."""
+    if store.get("kind") != "redis":
+        return []
+    if store.get("reachable"):
+        return ["quota store: redis, reachable"]
+    since = store.get("down_since")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if since else ""
+    return [f"! quota store: redis UNREACHABLE{when}: requests fail {store.get('failure')} "
+            "(docs/runbooks/ApplianceQuotaStoreUnreachable.md)"]
 
 
 TOP_TENANTS = 10

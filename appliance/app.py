@@ -79,6 +79,8 @@ def create_app(
         if gateway.kv_events is not None:
             gateway.kv_events.start()
         gateway.event_loop.start()
+        if gateway.quota_store is not None:
+            gateway.quota_store.start()
         maintenance.start()
         if batch is not None:
             batch.start()
@@ -100,6 +102,8 @@ def create_app(
             if fleet is not None:
                 await fleet.stop()
             await gateway.upstream.close()
+            if gateway.quota_store is not None:  # after the last request: its settle is in flight
+                await gateway.quota_store.close(settings.quota_store.drain_seconds)
             gateway.tracer_provider.shutdown()
 
     app = FastAPI(title="appliance gateway", version=version(), lifespan=lifespan,

@@ -221,6 +221,8 @@ class GatewayParts(Protocol):
     @property
     def records(self) -> RecordsView: ...
 
+    def quota_store_state(self) -> dict[str, Any]: ...
+
 
 # -- maintenance ----------------------------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The appliance's one settings object: a composition of sections, each owned by the package it configures
 (``gateway``, ``routing``, ``admission``, ``intake``, ``breaker``: appliance.gateway; ``engine``, ``discovery``:
-appliance.engine.settings; ``collectors``, ``maintenance``, ``monitoring``, ``tenants``, ``batch``: their
-packages), plus the few keys that say what the appliance serves and how it runs (model, replicas, device, role,
-state_dir, log_level).
+appliance.engine.settings; ``collectors``, ``maintenance``, ``monitoring``, ``tenants`` and ``quota_store``
+(appliance.gateway.tenants), ``batch``: their packages), plus the few keys that say what the appliance serves and
+how it runs (model, replicas, device, role, state_dir, log_level).
 
 Sources, lowest to highest precedence: defaults, an optional YAML file (``--config``), then environment variables
 ``APPLIANCE_<KEY>`` (section keys as ``APPLIANCE_<SECTION>__<KEY>``), then explicit arguments. Invalid values fail
@@ -41,7 +41,7 @@ from appliance.gateway.breaker.settings import BreakerSettings
 from appliance.gateway.intake.settings import IntakeSettings
 from appliance.gateway.routing.settings import RoutingSettings
 from appliance.gateway.settings import GatewaySettings
-from appliance.gateway.tenants.settings import TenantSettings, check_tenants
+from appliance.gateway.tenants.settings import QuotaStoreSettings, TenantSettings, check_tenants
 from appliance.http.credentials import Credentials
 from appliance.maintenance.settings import MaintenanceSettings
 from appliance.model.shape import (
@@ -214,6 +214,7 @@ class Settings(BaseSettings):
     intake: IntakeSettings = Field(default_factory=IntakeSettings)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    quota_store: QuotaStoreSettings = Field(default_factory=QuotaStoreSettings)
     # Where these settings were read from (load_settings sets it; model_copy keeps it): what `appliance reload`
     # reads again. None for settings built in code.
     _source: SettingsSource | None = PrivateAttr(default=None)

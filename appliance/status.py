@@ -39,6 +39,7 @@ class FleetStatus:
             "in_flight": router.in_flight(),
             "replicas": [self.replica(r) for r in replicas],
             "tenants": self.tenants(),
+            "quota_store": self.gateway.quota_store_state(),
             "maintenance": self.maintenance.status(),
         }
 

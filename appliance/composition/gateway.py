@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from appliance.composition.prefix_cache import PreciseRouting, build_precise_routing
 from appliance.engine.contract import Replica
 from appliance.engine.guard import engine_authorization
-from appliance.engine.load import EngineLoadPoller
+from appliance.engine.load import EngineLoad, EngineLoadPoller, Reading
 from appliance.gateway.admission.limit import AIMDLimit, ConcurrencyLimits
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.breaker.circuit import Breaker, BreakerCollector
@@ -34,6 +34,8 @@ from appliance.gateway.tenants.isolation import CacheIsolation
 from appliance.gateway.tenants.metering import Metering
 from appliance.gateway.tenants.priority import EnginePriority, reported_policy
 from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tenants.quota_store import SharedQuotas, connect
+from appliance.gateway.tenants.reconcile import Reconciliation
 from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.upstream.exchange import Hook
 from appliance.gateway.upstream.transport import Upstream
@@ -56,8 +58,12 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=slo)
     tenants = TenantDirectory(settings.tenants, settings.gateway.api_keys)
     quotas = Quotas(tenants.tenants())
-    accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=quotas.ratios)
+    shared = _quota_store(settings, registry)
+    ratios = quotas.ratios if shared is None else lambda: shared.ratios(tenants.tenants())
+    accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=ratios)
     accounting.configure(tenant.name for tenant in tenants.tenants())
+    reconciliation = Reconciliation()
+    registry.register(reconciliation)
     tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
     records = RequestRecords(settings.gateway.request_records)
     migration = Migration(request_metrics, limit=settings.routing.migration_limit,
@@ -78,7 +84,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
              CacheIsolation(tenants, settings.gateway.engine_key),
              *([precise.hook] if precise is not None else []),  # tokenizes the prompt once its salt is set
              EnginePriority(admission, reported_policy(router.loads)),
-             Metering(accounting, quotas, admission, max_model_len=settings.engine.max_model_len),
+             Metering(accounting, quotas, admission, max_model_len=settings.engine.max_model_len,
+                      reconciliation=reconciliation, shared=shared),
              migration,
              Recording(records),
              breaker,
@@ -92,12 +99,37 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     breaker.probe = upstream
     registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
                                      upstream.open_requests))
-    poller = EngineLoadPoller(router.poll_targets, router.observe_reading, settings.routing.metrics_poll_seconds,
-                              on_poll=admission.on_poll)
+    poller = EngineLoadPoller(router.poll_targets, _readings(router, reconciliation),
+                              settings.routing.metrics_poll_seconds,
+                              on_poll=_after_poll(admission, router, reconciliation))
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
                    event_loop, records=records, revocation=revocation,
-                   kv_events=precise.hub if precise is not None else None)
+                   kv_events=precise.hub if precise is not None else None, quota_store=shared)
+
+
+def _quota_store(settings: Settings, registry: CollectorRegistry) -> SharedQuotas | None:
+    """The quota store shared with the other gateways (quota_store.kind redis), or None: this process's buckets.
+    Nothing is connected here: the client's pool connects at the first request, so a gateway starts (and says
+    so) while its store is down."""
+    section = settings.quota_store
+    return SharedQuotas(connect(section), section, registry) if section.kind == "redis" else None
+
+
+def _readings(router: Router, reconciliation: Reconciliation) -> Reading:
+    """Each engine reading goes to the router (routing, probes) and to the tenants' reconciliation (counters)."""
+    def on_reading(name: str, load: EngineLoad | None) -> None:
+        router.observe_reading(name, load)
+        reconciliation.observe(name, load)
+    return on_reading
+
+
+def _after_poll(admission: Admission, router: Router, reconciliation: Reconciliation) -> Callable[[], None]:
+    """After each poll: admission's audit and dispatch, and the reconciliation forgets replicas that left."""
+    def on_poll() -> None:
+        admission.on_poll()
+        reconciliation.retain({replica.name for replica in router.replicas()})
+    return on_poll
 
 
 def _in_use(precise: PreciseRouting | None, router: Router, registry: CollectorRegistry) -> PreciseRouting | None:

@@ -25,6 +25,7 @@ from appliance.gateway.routing.router import Router
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
+from appliance.gateway.tenants.quota_store import SharedQuotas
 from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.tenants.settings import TenantSettings
 from appliance.gateway.upstream.transport import Upstream
@@ -48,6 +49,11 @@ class Gateway:
 
     revocation: Revocation | None = None  # the hook that ends a removed tenant's streams
     kv_events: KvEventsHub | None = None  # the engines' KV-cache event subscriptions (precise prefix routing)
+    quota_store: SharedQuotas | None = None  # the quota buckets shared with other gateways (None: ``quotas``)
+
+    def quota_store_state(self) -> dict[str, Any]:
+        """Where the quotas live and, for a shared store, whether it answers: for health and status."""
+        return {"kind": "memory"} if self.quota_store is None else self.quota_store.state()
 
     def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
                        overlap_seconds: float = 0.0) -> list[str]:

@@ -129,6 +129,28 @@ class TenantTTFTBurn(For):
     severity: Literal["critical", "warning"] = "warning"
 
 
+class AccountingDrift(For):
+    """What tenants were charged for a replica's work against its engine's own counters, over one window."""
+
+    threshold: Positive  # |tenants' increase / engine's increase - 1| above this, for `for`
+    window: Duration  # much longer than a request: the requests open at its edges are what remains
+    min_token_rate: Number  # the engine's tokens per second of that kind: a nearly idle replica's ratio says little
+
+
+class KVEventsLost(For):
+    """A replica's KV event index not routed on while it serves, or losing its events again and again."""
+
+    window: Duration  # the window the losses are counted over
+    losses: Annotated[int, Field(ge=1)]  # losses no replay repaired (each leaves the index unknown a while)
+
+
+class BatchWindowMissed(For):
+    """A batch that will not finish within its completion window at its recent pace, or that expired."""
+
+    horizon_seconds: Positive  # forecast only for batches with less than this left of their window
+    window: Duration  # the pace: lines answered over this window; and how long an expiry keeps the alert
+
+
 class AlertKnobs(_Model):
     """``alerts:`` in the file; field names are the alert names."""
 
@@ -154,6 +176,10 @@ class AlertKnobs(_Model):
     ApplianceSlowModelLoad: SlowModelLoad
     ApplianceTenantThrottled: ThresholdWindow
     ApplianceTenantTTFTBurn: TenantTTFTBurn
+    ApplianceTenantAccountingDrift: AccountingDrift
+    ApplianceQuotaStoreUnreachable: For
+    ApplianceKVEventsLost: KVEventsLost
+    ApplianceBatchWindowMissed: BatchWindowMissed
 
 
 class MonitoringConfig(_Model):

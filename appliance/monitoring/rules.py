@@ -121,6 +121,7 @@ def recording_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
          "expr": f"sum by (model, replica) (rate(vllm:generation_tokens_total{{{vllm}}}[5m]))"},
         *_prefix_cache_hit_ratio(vllm, "model, replica"),
         *_prefix_cache_hit_ratio(vllm, "model"),
+        *_accounting_drift(app, config.alerts.ApplianceTenantAccountingDrift.window),
     ]
     return [{"name": "appliance.sli", "rules": sli},
             {"name": "appliance.latency", "rules": latency},
@@ -134,6 +135,33 @@ def _prefix_cache_hit_ratio(vllm: str, by: str) -> list[dict[str, Any]]:
     return [{"record": f"{level}:vllm_prefix_cache_hit:ratio_rate5m",
              "expr": f"sum by ({by}) (rate(vllm:prefix_cache_hits_total{{{vllm}}}[5m]))\n/\n"
                      f"(sum by ({by}) (rate(vllm:prefix_cache_queries_total{{{vllm}}}[5m])) > 0)\n"}]
+
+
+RECONCILED = "appliance_tenant_reconciled_tokens_total"
+
+
+def accounting_drift_record(by: str, window: str) -> str:
+    """The name of the drift record grouped ``by`` over ``window``."""
+    return f"{by.replace(', ', '_')}:appliance_tenant_accounting_drift:ratio_rate{window}"
+
+
+def accounting_drift(selector: str, window: str, *, fleet: bool = False) -> str:
+    """What tenants were charged for each replica's work over what its engine counted, minus 1, per kind (prompt,
+    completion), over ``window``; per replica, or for the whole fleet. Every gateway reads every engine's counters
+    (side engine: the same rise seen by each, so the max) and charges only its own requests (side tenants: summed
+    over gateways). No sample while the engine counted nothing: nothing to reconcile."""
+    engine = f'max by (job, replica, kind) (rate({RECONCILED}{{{selector},side="engine"}}[{window}]))'
+    tenants = f'sum by (job, replica, kind) (rate({RECONCILED}{{{selector},side="tenants"}}[{window}]))'
+    if not fleet:
+        return f"{tenants}\n/\n({engine} > 0)\n- 1\n"
+    return f"sum by (job, kind) (\n  {tenants}\n)\n/\n(sum by (job, kind) (\n  {engine}\n) > 0)\n- 1\n"
+
+
+def _accounting_drift(app: str, window: str) -> list[dict[str, Any]]:
+    """The drift per replica and over the fleet, recorded over the alert's window."""
+    return [{"record": accounting_drift_record("job, replica, kind", window), "expr": accounting_drift(app, window)},
+            {"record": accounting_drift_record("job, kind", window),
+             "expr": accounting_drift(app, window, fleet=True)}]
 
 
 # --- alerting rules --------------------------------------------------------------------------------------------
@@ -325,6 +353,9 @@ def cause_alerts(config: MonitoringConfig) -> list[Alert]:
                "The latest start of {{ $labels.replica }} took {{ $value | humanizeDuration }} from spawn to ready "
                "(threshold {threshold_seconds}s): every restart costs that much capacity."),
         *_tenant_alerts(config),
+        _quota_store_alert(config),
+        *_kv_events_alerts(config),
+        *_batch_alerts(config),
     ])
 
 
@@ -375,7 +406,100 @@ def _tenant_alerts(config: MonitoringConfig) -> list[Alert]:
         "the others'.",
         threshold_seconds=config.slos.ttft.threshold_seconds, factor_g=f"{b.factor:g}",
         budget=round((1 - objective) * 100, 3))
-    return [throttled, burn]
+    return [throttled, burn, _accounting_drift_alert(config)]
+
+
+def _quota_store_alert(config: MonitoringConfig) -> Alert:
+    """A gateway whose shared quota store (quota_store.kind redis) does not answer: its requests fail open (no
+    quota) or closed (503), as configured (docs/tenants.md). Per gateway pod: each has its own connection."""
+    return _alert(
+        config, "ApplianceQuotaStoreUnreachable",
+        "max by (job, instance) (appliance_quota_store_up{{app}}) == 0\n",
+        "Gateway {{ $labels.instance }} cannot reach the shared quota store.",
+        "The gateway at {{ $labels.instance }} has not reached its quota store (Redis) for {for_}: its tenants' "
+        "requests are admitted without their quota checked (quota_store.failure open) or refused with 503 "
+        "quota_store_unavailable (closed); appliance_quota_store_unchecked_requests_total counts which.")
+
+
+def _accounting_drift_alert(config: MonitoringConfig) -> Alert:
+    """Tenants charged more or less than a replica's engine counted, per kind, for long, on a replica busy enough
+    to judge (docs/tenants.md). The value keeps its sign: above 0 tenants were charged more."""
+    knob = config.alerts.ApplianceTenantAccountingDrift
+    drift = accounting_drift_record("job, replica, kind", knob.window) + "{{app}}"
+    return _alert(
+        config, "ApplianceTenantAccountingDrift",
+        f"(\n  {drift} > {{threshold}}\n  or\n  {drift} < -{{threshold}}\n)\nand on (job, replica, kind)\n"
+        f'max by (job, replica, kind) (rate({RECONCILED}{{{{app}},side="engine"}}[{{window}}])) > {{min_token_rate}}\n',
+        "Tenants' {{ $labels.kind }} tokens on {{ $labels.replica }} do not add up to its engine's.",
+        "Over {window} the tenants were charged {{ $value | humanizePercentage }} more (negative: less) "
+        "{{ $labels.kind }} tokens for the work of {{ $labels.replica }} than its engine counted "
+        "(appliance_tenant_reconciled_tokens_total, side tenants against side engine), beyond {percent}% for "
+        "{for_}: work no tenant pays for, or charges for work no engine did.",
+        percent=f"{knob.threshold * 100:g}")
+
+
+# Why a replica's KV event index was emptied because its events were lost for good (appliance_routing_kv_index_resets):
+# not a restart, a cleared cache or a resync, which are the engine's own news.
+KV_EVENT_LOSSES = "replay_gap|replay_failed|undecodable|malformed"
+
+
+def _kv_events_alerts(config: MonitoringConfig) -> list[Alert]:
+    """Precise prefix routing's alert (docs/tuning.md, section 5), as two rules: an event stream lost (the index of
+    a ready replica not routed on for a while) and events lost again and again. Its series exist only while
+    ``routing.prefix_cache.mode`` is precise or precise-with-fallback, so in approximate mode it cannot fire. Each
+    gateway subscribes to every engine itself: one alert per gateway and replica."""
+    lost = _alert(
+        config, "ApplianceKVEventsLost",
+        "max by ({by}) (appliance_routing_kv_index_usable{{app}}) == 0\n"
+        "and on (job, instance, replica)\n"
+        'max by ({by}) (appliance_replica_state{{app},state="ready"}) == 1\n',
+        "Precise prefix routing has lost the KV events of {{ $labels.replica }}.",
+        "For {for_} the gateway at {{ $labels.instance }} has had no usable KV-cache event index for the ready "
+        "replica {{ $labels.replica }} (appliance_routing_kv_index_usable 0): it gets no events from that engine, "
+        "or cannot bring its index back in step. Requests there are routed without precise prefix scores: the "
+        "approximate scorer's in precise-with-fallback, no prefix affinity at all in precise.")
+    flapping = _alert(
+        config, "ApplianceKVEventsLost",
+        f'sum by ({{by}}) (increase(appliance_routing_kv_index_resets_total{{{{app}},reason=~"{KV_EVENT_LOSSES}"}}'
+        "[{window}])) >= {losses}\n",
+        "Precise prefix routing keeps losing the KV events of {{ $labels.replica }}.",
+        "The gateway at {{ $labels.instance }} lost the KV events of {{ $labels.replica }} for good "
+        '{{ $value | printf "%.0f" }} times in the last {window} (gaps no replay filled, replays that failed, '
+        "batches it could not decode): each time the replica's index started again empty, was not routed on for "
+        "routing.prefix_cache.resync_seconds, and then missed every block cached before.")
+    return [lost, flapping]
+
+
+def _batch_alerts(config: MonitoringConfig) -> list[Alert]:
+    """The Batch API's alert (docs/batch.md), as two rules: a batch that will miss its completion window at the
+    pace it was answered lately, and a batch that did (it expired). Batches live in one gateway's store: one
+    alert per gateway, tenant and batch."""
+    knob = config.alerts.ApplianceBatchWindowMissed
+    hours, seconds = divmod(knob.horizon_seconds, 3600)
+    horizon = f"{hours:g}h" if not seconds else f"{knob.horizon_seconds:g}s"
+    by = "job, instance, tenant, batch"
+    pending = f'max by ({by}) (appliance_batch_lines{{{{app}},state="pending"}})'
+    pace = f'max by ({by}) (clamp_min(-deriv(appliance_batch_lines{{{{app}},state="pending"}}[{{window}}]), 0))'
+    left = f"(max by ({by}) (appliance_batch_expiry_timestamp_seconds{{{{app}}}}) - time())"
+    # The lines still pending when the window ends, at the pace of the last `window`; only in the window's last
+    # horizon_seconds: earlier, idle capacity (nights, maintenance windows) may still come.
+    will_miss = _alert(
+        config, "ApplianceBatchWindowMissed",
+        f"(\n  {pending}\n  -\n  {pace}\n  * {left}\n) > 0\nand on ({by})\n{left} < {{horizon_seconds}}\n",
+        "Batch {{ $labels.batch }} of tenant {{ $labels.tenant }} will miss its completion window.",
+        "At the pace its lines were answered over the last {window}, batch {{ $labels.batch }} of tenant "
+        '{{ $labels.tenant }} (gateway {{ $labels.instance }}) will still have about {{ $value | printf "%.0f" }} '
+        "lines pending when its completion window ends, less than {horizon} from now: they will be answered "
+        "batch_expired. Idle capacity is short of what the batch needs.", horizon=horizon)
+    expired = _alert(
+        config, "ApplianceBatchWindowMissed",
+        'max by (job, instance, tenant) (\n  max_over_time(appliance_batches{{app},status="expired"}[{window}])\n'
+        '  -\n  min_over_time(appliance_batches{{app},status="expired"}[{window}])\n) > 0\n',
+        "A batch of tenant {{ $labels.tenant }} missed its completion window.",
+        "Batches of tenant {{ $labels.tenant }} expired on gateway {{ $labels.instance }} in the last {window} "
+        '({{ $value | printf "%.0f" }}): the lines they had not answered in time are batch_expired errors in their '
+        "error files.")
+    return [will_miss, replace(expired, for_="0m")]  # an expiry is a fact: nothing to wait for
 
 
 def alert_group(config: MonitoringConfig, items: Sequence[Alert]) -> list[dict[str, Any]]:

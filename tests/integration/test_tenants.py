@@ -150,6 +150,67 @@ def test_each_tenants_counters_are_what_the_engine_reported(single):
     assert requests[(("code", "200"), ("tenant", "team-b"))] == 5
 
 
+def reconciled(app: ApplianceProcess) -> dict[tuple[str, str], float]:
+    """The gateway's reconciliation of its one replica: (kind, side) -> tokens."""
+    found = samples(f"{app.url}/metrics", "appliance_tenant_reconciled_tokens_total")
+    assert len({dict(labels)["replica"] for labels in found}) == 1, found
+    return {(dict(labels)["kind"], dict(labels)["side"]): value for labels, value in found.items()}
+
+
+def leave_stream(app: ApplianceProcess, key: str, route: str, chunks: int) -> None:
+    """A stream its client leaves after reading ``chunks`` content events (so the engine had started it)."""
+    body: dict = {"model": "demo", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    body.update({"prompt": PROMPTS[route]} if route == "completions" else
+                {"messages": [{"role": "user", "content": PROMPTS[route]}]})
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    with httpx.stream("POST", app.url + path, json=body, headers={"authorization": f"Bearer {key}"},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        read = 0
+        for line in response.iter_lines():
+            read += line.startswith("data: {")
+            if read >= chunks:
+                break  # the client leaves: the connection closes with the stream unread
+
+
+def test_the_tenants_charges_reconcile_with_the_engines_counters(single):
+    """Whole streams, non-streaming answers and streams left after a few chunks, by two tenants at once: once
+    every request has ended and the gateway's poll read the engine again, its engine side rose exactly as the
+    engine's own counters, and what the tenants were charged for that replica is within 2% of it, per kind."""
+    app = single
+    engine_names = {"prompt": "vllm:prompt_tokens_total", "completion": "vllm:generation_tokens_total"}
+    before_engine = {kind: engine_total(app, name) for kind, name in engine_names.items()}
+    before = reconciled(app)
+    whole = [("key-a", "completions", True, False, 48), ("key-b", "chat", True, True, 40),
+             ("key-a", "chat", False, False, 32), ("key-b", "completions", True, False, 56)]
+    left = [("key-a", "completions", 3), ("key-b", "chat", 6), ("key-a", "chat", 2), ("key-b", "completions", 9)]
+    with ThreadPoolExecutor(4) as pool:
+        done = [pool.submit(request, app, key, route, stream=stream, usage=usage, max_tokens=max_tokens)
+                for key, route, stream, usage, max_tokens in whole]
+        done += [pool.submit(leave_stream, app, key, route, chunks) for key, route, chunks in left]
+        for future in done:
+            future.result()
+
+    def caught_up() -> bool:
+        engine = {kind: engine_total(app, name) - before_engine[kind] for kind, name in engine_names.items()}
+        now = reconciled(app)
+        return all(now[(kind, "engine")] - before[(kind, "engine")] == engine[kind] for kind in engine_names)
+
+    deadline = time.monotonic() + 30
+    while not caught_up():  # vLLM ends the left streams' sequences within a step; the poll reads it a second later
+        assert time.monotonic() < deadline, "the gateway's engine side never caught up with the engine's counters"
+        time.sleep(0.5)
+    time.sleep(2)
+    assert caught_up()  # and stays there: nothing was still running
+    after = reconciled(app)
+    rise = {key: after[key] - before[key] for key in after}
+    print(f"reconciled rises: {rise}")
+    for kind in engine_names:
+        engine, tenants = rise[(kind, "engine")], rise[(kind, "tenants")]
+        assert engine > 0
+        assert abs(tenants / engine - 1) <= 0.02, (kind, tenants, engine)
+
+
 def test_a_spent_quota_is_a_429_with_retry_after(single):
     app = single
     usage, _ = request(app, "key-q", "completions", stream=False, usage=True, max_tokens=2)
@@ -239,3 +300,51 @@ def test_the_tenants_priority_reaches_vllms_scheduler(single):
     before = sum(1 for end in ends if end < high["arrived_at"] + high["e2e_seconds"])
     print(f"team-a streams that ended before team-hi's: {before} of 6 (first come first served: 6)")
     assert before <= 2, (flood, high)
+
+
+def stream_events(url: str, path: str, body: dict, key: str) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, headers={"authorization": f"Bearer {key}"},
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        raw = response.read()
+    assert raw.endswith(b"data: [DONE]\n\n")
+    return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+
+
+def by_choice(events: list[dict]) -> dict[int, list[dict]]:
+    """Each choice's events in order, without what differs between two answers (id, created)."""
+    choices: dict[int, list[dict]] = {}
+    for event in events:
+        assert len(event["choices"]) == 1, event  # vLLM writes one choice a chunk
+        kept = {k: v for k, v in event.items() if k not in ("id", "created")}
+        choices.setdefault(event["choices"][0]["index"], []).append(kept)
+    return choices
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_multi_choice_stream_without_usage_is_what_the_engine_sends_such_a_client(single, route):
+    """Several choices (chat: n=2; completions: 2 prompts x n=2) streamed without ``include_usage``: the engine
+    itself writes its fingerprint on every finishing chunk and nowhere else, and on the usage event only when one is
+    asked for; through the gateway (which asks for usage and hides it) the client gets each choice's events exactly
+    as the engine sends them directly, twice (by the second, the gateway has learnt the engine's fingerprint and
+    holds nothing)."""
+    app = single
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    # top_k 1: the same tokens every time (vLLM refuses n > 1 with temperature 0)
+    body: dict = {"model": "demo", "max_tokens": 6, "ignore_eos": True, "temperature": 1.0, "top_k": 1, "n": 2,
+                  "stream": True}
+    body.update({"messages": [{"role": "user", "content": "Name a colour."}]} if route == "chat" else
+                {"prompt": ["Once upon a time", "The capital of France is"]})
+    engine = f"http://127.0.0.1:{app.engine_port(0)}"
+    direct = stream_events(engine, path, body, app.engine_key())
+    finishing = [e for e in direct if e["choices"][0].get("finish_reason")]
+    assert len(finishing) == (2 if route == "chat" else 4)
+    fingerprints = {e.get("system_fingerprint") for e in finishing}
+    assert len(fingerprints) == 1 and isinstance(next(iter(fingerprints)), str), finishing
+    assert all("system_fingerprint" not in e for e in direct if not e["choices"][0].get("finish_reason"))
+    with_usage = stream_events(engine, path, {**body, "stream_options": {"include_usage": True}}, app.engine_key())
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["system_fingerprint"] in fingerprints
+    assert all("system_fingerprint" not in e for e in with_usage[:-1])
+    for _ in range(2):
+        relayed = stream_events(app.url, path, body, "key-a")
+        assert by_choice(relayed) == by_choice(direct)

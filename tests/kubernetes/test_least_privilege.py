@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(kubectl is None, reason="kubectl is not installe
 
 WORKLOAD_OVERLAYS = ["overlays/gpu", "overlays/cpu-demo", "base"]
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
-SECRETISH = re.compile(r"TOKEN|KEYS?$|_KEY_|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
+SECRETISH = re.compile(r"TOKEN(?!IZER)|KEYS?$|_KEY_|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)  # not TOKENIZER
 SECRETS_DIR = "/run/secrets/appliance"
 #: kubelet's default container log rotation (containerLogMaxSize 10Mi x containerLogMaxFiles 5): what a
 #: container's stdout may hold on the node besides its volumes, counted in its ephemeral-storage.
@@ -317,12 +317,15 @@ ROLE_FILES = {
     "gateway": {"admin-token": "APPLIANCE_ADMIN_TOKEN_FILE", "api-keys": "APPLIANCE_API_KEYS_FILE",
                 "metrics-token": "APPLIANCE_METRICS_TOKEN_FILE", "alerts-token": "APPLIANCE_ALERTS_TOKEN_FILE",
                 "lease-token": "APPLIANCE_GATEWAY__LEASE_TOKEN_FILE",
-                "engine-key": "APPLIANCE_GATEWAY__ENGINE_KEY_FILE"},
+                "engine-key": "APPLIANCE_GATEWAY__ENGINE_KEY_FILE",
+                "quota-store-password": "APPLIANCE_QUOTA_STORE__PASSWORD_FILE"},
+    "quota-store": {"quota-store-password": "QUOTA_STORE_PASSWORD_FILE"},
     "node": {"engine-key": "APPLIANCE_GATEWAY__ENGINE_KEY_FILE", "lease-token": "APPLIANCE_GATEWAY__LEASE_TOKEN_FILE",
              "metrics-token": "APPLIANCE_METRICS_TOKEN_FILE"},
 }
-#: What a compromised engine on a node pod must not find there: the fleet's admin API and every tenant's key.
-NEVER_ON_NODES = {"admin-token", "api-keys", "alerts-token"}
+#: What a compromised engine on a node pod must not find there: the fleet's admin API, every tenant's key, and
+#: the quota store (where it could refill any tenant's buckets).
+NEVER_ON_NODES = {"admin-token", "api-keys", "alerts-token", "quota-store-password"}
 
 
 def _secret_files(pod: dict[str, Any]) -> dict[str, str]:
@@ -351,7 +354,7 @@ def test_each_role_gets_its_own_credentials_as_files(rendered, overlay):
             assert secrets.setdefault(file, secret) == secret, "one Secret per credential, the same in both roles"
     # One Secret per audience: what Prometheus, Alertmanager and node pods may read holds nothing else.
     assert len({secrets[file] for file in ("metrics-token", "alerts-token", "admin-token", "lease-token",
-                                           "engine-key")}) == 5
+                                           "engine-key", "quota-store-password")}) == 6
 
 
 @pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu-demo", "base"])
@@ -434,7 +437,7 @@ def test_the_egress_check_can_fail(rendered):
 
 def test_the_tracing_component_opens_egress_to_its_endpoint_only(with_tracing):
     assert egress_problems(with_tracing) == [] and secret_problems(with_tracing) == []
-    for workload in workloads(with_tracing):
+    for workload in [w for w in workloads(with_tracing) if component(w) != "quota-store"]:  # Redis sends no traces
         env = {e["name"]: e.get("value") for e in pod_of(workload)["containers"][0]["env"]}
         endpoint = urlsplit(env["APPLIANCE_OTLP_TRACES_ENDPOINT"])
         host = endpoint.hostname.split(".")
@@ -501,7 +504,7 @@ def test_gateway_pods_stay_in_the_service_without_engines(rendered):
     ready only with a serving engine, so the headless Service lists only them."""
     for overlay in ("overlays/gpu", "overlays/cpu-demo"):
         probes = {component(w): pod_of(w)["containers"][0]["readinessProbe"]["httpGet"]["path"]
-                  for w in workloads(rendered[overlay])}
+                  for w in workloads(rendered[overlay]) if component(w) != "quota-store"}
         assert probes == {"gateway": "/health/serving", "node": "/health/ready"}
 
 
@@ -571,7 +574,8 @@ def test_the_pods_settings_load_their_secrets_from_the_mounted_files(rendered, r
     workload = next(w for w in workloads(rendered["overlays/gpu"]) if component(w) == role)
     pod = pod_of(workload)
     values = {"admin-token": "admin-secret", "api-keys": "key-one\nkey-two\n", "metrics-token": "metrics-secret",
-              "alerts-token": "alerts-secret", "lease-token": "lease-secret", "engine-key": "engine-secret"}
+              "alerts-token": "alerts-secret", "lease-token": "lease-secret", "engine-key": "engine-secret",
+              "quota-store-password": "store-secret"}
     for file in _secret_files(pod):
         (tmp_path / file).write_text(values[file])
     for key in [k for k in os.environ if k.startswith("APPLIANCE_")]:
@@ -589,3 +593,6 @@ def test_the_pods_settings_load_their_secrets_from_the_mounted_files(rendered, r
     assert settings.gateway.alerts_token == ("alerts-secret" if gateway else None)
     # Both roles: the key the engines require (gateways send it) and the restart lease's token.
     assert settings.gateway.engine_key == "engine-secret" and settings.gateway.lease_token == "lease-secret"
+    # Gateways share the tenants' quota in the quota store; node pods have no tenants to meter.
+    assert settings.quota_store.kind == ("redis" if gateway else "memory")
+    assert settings.quota_store.password == ("store-secret" if gateway else None)

@@ -24,10 +24,12 @@ async def serving(ctx: Context) -> JSONResponse:
     """The gateway's own readiness: 200 while it takes requests (not draining), whether or not an engine is ready,
     because with none it answers them 503 + Retry-After itself. Gateway pods on Kubernetes probe this, so that
     with every engine down their Service keeps its endpoints and clients get that 503 instead of a refused
-    connection; /health/ready (engines included) stays the readiness of a single host and of node pods."""
+    connection; /health/ready (engines included) stays the readiness of a single host and of node pods.
+    ``quota_store``: where the tenants' quotas live and whether a shared store answers; the gateway serves either
+    way (an unreachable store fails requests open or closed, as quota_store.failure says)."""
     draining = ctx.live.draining
     body = {"status": "draining" if draining else "serving", "draining": draining,
-            "routable_replicas": len(ctx.gateway.router.eligible())}
+            "routable_replicas": len(ctx.gateway.router.eligible()), "quota_store": ctx.gateway.quota_store_state()}
     return JSONResponse(body, status_code=503 if draining else 200)
 
 

@@ -2,9 +2,11 @@
 asked for and hidden, and the tenant's answer and usage counted, and its reservation settled, at the end.
 
 The tenant's quotas reserve the request's worst case before it queues (``quota.Reservation``; 400 when it could
-never fit, 429 with Retry-After when it does not fit now). Streams ask the engine for usage on every chunk and at
-the end (``usage.usage_options``) and the relay hides what the client did not ask for, so the client's bytes are
-those it would have had. At the end, what the request used is settled:
+never fit, 429 with Retry-After when it does not fit now); with several gateways the buckets are in a shared
+store (``quota_store``), reached by a round trip the hook chain awaits, and settled off the response path.
+Streams ask the engine for usage on every chunk and at the end (``usage.usage_options``) and the relay hides what
+the client did not ask for, so the client's bytes are those it would have had. At the end, what the request used
+is settled:
 
 - the engines' final usage, every leg of a continued stream;
 - a leg that ended without one (its client left, its engine broke off, a continuation took over): the last
@@ -14,6 +16,9 @@ those it would have had. At the end, what the request used is settled:
   engine's progress cannot be seen, so its whole reservation (docs/tenants.md says why);
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
+Each replica's share of what was charged (every leg's report and estimate go to the replica that did that leg)
+is told to the reconciliation (``tenants.reconcile``), which compares it with that engine's own counters.
+
 Engine-reported tokens count as ``prompt`` / ``completion``; the gateway's estimates (the tail, a non-streaming
 request's reservation, the prompt of a stream left before its first chunk) as ``estimated``. The quota is settled
 to their sum, fair share is charged the same.
@@ -21,11 +26,17 @@ to their sum, fair share is charged the same.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.cost import request_cost
+from appliance.gateway.tenants.fingerprint import EngineKey, Fingerprint, Fingerprints, engine_key
 from appliance.gateway.tenants.quota import Cost, Quotas, Refusal, Reservation
+from appliance.gateway.tenants.quota_store import SharedQuotas, SharedReservation, StoreUnavailable, limits_of
+from appliance.gateway.tenants.reconcile import Reconciliation
 from appliance.gateway.tenants.usage import (
     FINAL_USAGE,
     HiddenUsage,
@@ -54,11 +65,17 @@ class Metering:
     name = "metering"
 
     def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: Admission,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, reconciliation: Reconciliation | None = None,
+                 shared: SharedQuotas | None = None) -> None:
+        """``shared``: the quota store shared by several gateways (None: ``quotas``, this process's buckets)."""
         self.accounting = accounting
         self.quotas = quotas
+        self.shared = shared
         self.admission = admission
+        # What each engine writes as its fingerprint: its streams' finishing chunks need not wait for the usage event
+        self.fingerprints = Fingerprints(lambda: [replica.name for replica in admission.router.replicas()])
         self.max_model_len = max_model_len
+        self.reconciliation = reconciliation if reconciliation is not None else Reconciliation()
 
     def start(self, exchange: Exchange) -> MeteredRequest:
         body = exchange.parsed()
@@ -82,11 +99,20 @@ def tail_tokens(running: RunningUsage, closed_at: float, room: int) -> int:
     return max(0, min(room, round(rate * gap)))
 
 
+def _give_back(reserving: asyncio.Future[SharedReservation | Refusal | None]) -> None:
+    """A reservation taken for a request that is gone: refunded (a refusal or a failure took nothing)."""
+    if reserving.cancelled() or reserving.exception() is not None:
+        return
+    held = reserving.result()
+    if isinstance(held, SharedReservation):
+        held.refund()
+
+
 class MeteredRequest(RequestHook):
     """One request's metering."""
 
     __slots__ = ("meter", "exchange", "cost", "plan", "hidden", "reservation", "running", "legs", "first",
-                 "frames")
+                 "frames", "leg", "placed", "engine")
 
     def __init__(self, meter: Metering, exchange: Exchange, cost: Cost, plan: UsagePlan | None) -> None:
         self.meter = meter
@@ -94,18 +120,51 @@ class MeteredRequest(RequestHook):
         self.cost = cost  # the worst case: what the quota reserves
         self.plan = plan  # the usage the gateway asked the engine for and the client did not (streams)
         self.hidden = HiddenUsage() if plan is not None and plan.hide_final else None
-        self.reservation: Reservation | None = None
+        self.engine: EngineKey | None = None  # the engine of the current leg
+        self.reservation: Reservation | SharedReservation | None = None
         self.running: RunningUsage | None = RunningUsage(cost.requests) if exchange.stream else None
         self.legs = Usage()  # running usage of legs that ended without a final report
         self.first: float | None = None  # when the first event was relayed
         self.frames = exchange.stream  # reading the usage events, and hiding them, needs whole events
+        self.leg: str | None = None  # the replica of the leg ``running`` reads
+        self.placed: dict[str, Usage] = {}  # replica -> the usage reported (or run) there, every leg
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
-    def arrived(self) -> None:
-        """The tenant's quotas, before the request queues: its worst case reserved, or refused."""
+    def arrived(self) -> Awaitable[None] | None:
+        """The tenant's quotas, before the request queues: its worst case reserved, or refused. With a shared
+        store, a round trip (awaited by the hook chain); a tenant without a quota makes none."""
+        shared = self.meter.shared
+        if shared is None:
+            self._hold(self.meter.quotas.reserve(self.exchange.tenant, self.cost))
+            return None
+        if not any(limits_of(self.exchange.tenant)):
+            return None
+        return self._reserve_shared(shared)
+
+    async def _reserve_shared(self, shared: SharedQuotas) -> None:
+        """The shared store's answer; when it has none, the direction the operator chose: admitted unchecked
+        (open) or refused 503 (closed), counted either way. A request cancelled while the store answers (the
+        gateway shutting down) gives back whatever the store took for it once the answer comes."""
+        reserving = asyncio.ensure_future(shared.reserve(self.exchange.tenant, self.cost))
+        try:
+            held = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            reserving.add_done_callback(_give_back)
+            raise
+        except StoreUnavailable:
+            if shared.fails_open:
+                shared.unchecked.labels("open").inc()
+                return
+            shared.unchecked.labels("closed").inc()
+            raise APIError(503, "the quota store is unreachable, so this request's quota cannot be checked; retry "
+                           f"in {shared.settings.retry_after_seconds} s", code="quota_store_unavailable",
+                           headers={"Retry-After": str(shared.settings.retry_after_seconds)}) from None
+        self._hold(held)
+
+    def _hold(self, held: Reservation | SharedReservation | Refusal | None) -> None:
+        """The reservation kept, or the refusal raised: 400 when it can never fit, else 429 with Retry-After."""
         tenant = self.exchange.tenant
-        held = self.meter.quotas.reserve(tenant, self.cost)
         if not isinstance(held, Refusal):
             self.reservation = held
             return
@@ -121,6 +180,11 @@ class MeteredRequest(RequestHook):
     def admitted(self, attempt: Attempt) -> None:
         """A new leg begins: the last one's running usage, if it never reported, is what it used."""
         self._close_leg()
+        self.leg = attempt.replica
+        self.engine = engine_key(self.exchange.replica)
+        if self.hidden is not None:  # a continuation's chunks are the gateway's rewrite: no fingerprint to add
+            self.hidden.expected = (None if attempt.kind == "continuation"
+                                    else self.meter.fingerprints.known(self.engine))
 
     def finished(self, end: End) -> None:
         """The tenant's answer and usage; the reservation settled to what was used (refunded whole when no
@@ -133,7 +197,8 @@ class MeteredRequest(RequestHook):
             if self.reservation is not None:
                 self.reservation.refund()
             return
-        estimated = self._unreported(end)
+        unreported = self._unreported(end)
+        estimated = unreported.total
         self._close_leg()
         reported = (exchange.usage or Usage()) + self.legs
         if reported.total or reported.cached_prompt:
@@ -145,26 +210,42 @@ class MeteredRequest(RequestHook):
             self.reservation.settle(used)
         if used:
             meter.admission.charge(tenant, used)
+        self._reconcile(unreported)
+
+    def _reconcile(self, unreported: Usage) -> None:
+        """Each replica's share of the charge, its prompts once per sequence as its engine counts them; the
+        estimate goes to the last leg's replica, the one whose work it stands for."""
+        self._place(self.leg, unreported)
+        n = self._n()
+        for replica, usage in self.placed.items():
+            self.meter.reconciliation.charged(replica, usage.prompt * n, usage.completion)
+
+    def _place(self, replica: str | None, usage: Usage | None) -> None:
+        if replica is not None and usage is not None and usage.total:
+            placed = self.placed.get(replica)
+            self.placed[replica] = usage if placed is None else placed + usage
 
     def _close_leg(self) -> None:
         running = self.running
         if running is not None and running.seen:
-            self.legs = self.legs + running.usage(self._n())
+            leg = running.usage(self._n())
+            self.legs = self.legs + leg
+            self._place(self.leg, leg)
             self.running = RunningUsage(self.cost.requests)
 
-    def _unreported(self, end: End) -> int:
-        """The gateway's estimate of work no engine reported (0: nothing to add)."""
+    def _unreported(self, end: End) -> Usage:
+        """The gateway's estimate of work no engine reported (nothing: none to add), as prompt and completion."""
         exchange = self.exchange
         if not exchange.stream:
             unseen = exchange.usage is None and end.status in UNSEEN_STATUSES
-            return self.cost.tokens if unseen else 0
+            return Usage(self.cost.prompt, self.cost.completion) if unseen else Usage()
         if end.status != CLIENT_GONE:
-            return 0
+            return Usage()
         running = self.running
         if running is None or not running.seen:
-            return 0 if self.legs.total or exchange.usage is not None else self.cost.prompt
+            return Usage() if self.legs.total or exchange.usage is not None else Usage(self.cost.prompt)
         done = (exchange.usage or Usage()).completion + self.legs.completion + running.usage(self._n()).completion
-        return tail_tokens(running, end.at, max(0, self.cost.completion - done))
+        return Usage(completion=tail_tokens(running, end.at, max(0, self.cost.completion - done)))
 
     def _n(self) -> int:
         body = self.exchange.parsed()
@@ -180,12 +261,16 @@ class MeteredRequest(RequestHook):
             usage = body_usage(block.raw) if block.usage is None else block.usage
             block.usage = usage
             self.exchange.reported(usage)
+            self._place(self.leg, Usage.of(usage))
             return
         raw = block.raw
         if FINAL_USAGE in raw:
             for event in split_events(raw):
                 if (final := final_usage(event)) is not None:
                     self.exchange.reported(final["usage"])  # as the engine reported it, every leg
+                    self._place(self.leg, Usage.of(final["usage"]))
+                    if self.engine is not None:
+                        self.meter.fingerprints.learn(self.engine, Fingerprint.of(final))
                     self.running = RunningUsage(self.cost.requests)  # this leg is accounted for
                     raw = b""
         if raw and self.running is not None:

@@ -7,11 +7,12 @@ of one tenant named ``default`` (so no configured tenant may take that name whil
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from appliance.secret_files import read_keys_file
+from appliance.secret_files import read_keys_file, read_secret_file
 from appliance.setting_types import blank_is_unset
 
 DEFAULT_TENANT = "default"  # the flat api_keys' tenant, and everyone's while the API is open (no keys at all)
@@ -89,3 +90,80 @@ def check_tenants(tenants: list[TenantSettings], flat_keys: list[str]) -> None:
             other = owners.setdefault(key, tenant.name)
             if other != tenant.name:
                 raise ValueError(f"tenants: one API key belongs to both {other} and {tenant.name}")
+
+
+class QuotaStoreSettings(BaseModel):
+    """``quota_store``: where the tenants' quota buckets live. ``memory``: in this gateway's process (one gateway);
+    ``redis``: one Redis shared by every gateway that points at it, so several gateways hold a tenant to one
+    quota (docs/tenants.md, "One quota across gateways")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["memory", "redis"] = Field(
+        "memory", description="memory: each gateway keeps its own buckets (one gateway: the default). redis: the "
+        "buckets live in the Redis at url, shared by every gateway pointing at it (several gateways)."
+    )
+    url: str = Field(
+        "redis://localhost:6379/0", description="The Redis (redis:// or rediss:// for TLS, with its database "
+        "number). No password here: set password_file."
+    )
+    password_file: Path | None = Field(
+        None, description="File holding the Redis password (a mounted secret; read at start and on reload, used "
+        "by the connection made at start)."
+    )
+    timeout_seconds: float = Field(
+        0.25, gt=0, le=10, description="Longest one call to the store may take (connect included); longer: the "
+        "store counts as unreachable for that request."
+    )
+    failure: Literal["open", "closed"] = Field(
+        "open", description="When the store is unreachable. open: requests are admitted without their quota "
+        "checked; closed: refused with 503 quota_store_unavailable and Retry-After. Either way counted "
+        "(appliance_quota_store_unchecked_requests_total) and alerted (QuotaStoreUnreachable)."
+    )
+    retry_after_seconds: int = Field(
+        5, ge=1, le=3600, description="Retry-After of the 503 a request gets while the store is unreachable and "
+        "failure is closed."
+    )
+    probe_seconds: float = Field(
+        1.0, gt=0, le=60, description="How often the gateway PINGs the store (its state stays true while no "
+        "request comes); while the store is unreachable, one request in this many seconds tries it again, the "
+        "others fail at once instead of each waiting timeout_seconds."
+    )
+    key_prefix: str = Field(
+        "appliance:quota", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9:_.-]+$",
+        description="Prefix of the store's keys (one key a tenant: <prefix>:<tenant>), so appliances sharing one "
+        "Redis keep apart; gateways sharing a quota use the same prefix."
+    )
+    drain_seconds: float = Field(
+        2.0, ge=0, le=60, description="At shutdown, how long the gateway waits for the settles still in flight to "
+        "reach the store."
+    )
+
+    _password: str | None = None
+
+    @field_validator("password_file", mode="before")
+    @classmethod
+    def _empty_file_is_unset(cls, value: Any) -> Any:
+        return blank_is_unset(value)
+
+    @model_validator(mode="after")
+    def _read_password(self) -> QuotaStoreSettings:
+        if urlsplit(self.url).password:
+            raise ValueError("quota_store.url holds a password: set quota_store.password_file instead")
+        if urlsplit(self.url).scheme not in ("redis", "rediss"):
+            raise ValueError("quota_store.url: a redis:// or rediss:// URL")
+        self._password = (read_secret_file(self.password_file, setting="quota_store.password_file")
+                          if self.password_file is not None else None)
+        return self
+
+    @property
+    def password(self) -> str | None:
+        return self._password
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL as logs show it (no user name)."""
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

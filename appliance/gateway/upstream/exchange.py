@@ -131,7 +131,12 @@ class Exchange:
 
 
 class Hook(Protocol):
-    """A concern on the request path, built once in the composition root."""
+    """A concern on the request path, built once in the composition root.
+
+    Its ``RequestHook`` decides synchronously, except ``arrived``: a check that needs a round trip (the tenants'
+    quota in a shared store) returns an awaitable, which the chain awaits before the next hook's ``arrived``; a
+    hook that decides at once returns None and costs no coroutine. Work at the end that needs a round trip
+    (settling that quota) is the hook's own tracked background task, never awaited on the response path."""
 
     name: str
 

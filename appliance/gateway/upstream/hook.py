@@ -11,7 +11,8 @@ A ``RequestHook``'s methods fall in two groups, kept apart on purpose:
 
 - **decisions** (``arrived``, ``queued``, ``admitted``, ``sending``, ``responding``, ``attempt_ended``,
   ``judge_error``, ``finished``): once per attempt or per request,
-  where admission and routing run;
+  where admission and routing run; all synchronous but ``arrived``, which may return an awaitable for a check
+  that needs a round trip (the shared quota store), awaited in the hooks' order;
 - **relay** (``relayed``, ``leg_closed``, ``held``, ``broke``): per block of whole events on their way to the
   client, and at a break.
 
@@ -30,7 +31,7 @@ hook produces at a break (``Resolution.out``) flow through the hooks after it on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +126,12 @@ class RequestHook:
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
-    def arrived(self) -> None:
-        """Every hook has started: check the request before it queues (raise ``APIError`` to refuse it)."""
+    def arrived(self) -> Awaitable[None] | None:
+        """Every hook has started: check the request before it queues (raise ``APIError`` to refuse it). A check
+        that needs a round trip (a shared quota store) returns an awaitable instead, which may raise likewise: the
+        chain awaits it before the next hook's ``arrived``, so the order holds; a hook that returns None costs no
+        coroutine."""
+        return None
 
     def queued(self, seconds: float) -> None:
         """The request waited ``seconds`` for a slot (whether it got one or not)."""
@@ -203,9 +208,21 @@ class HookChain:
         self._holders = tuple(h for h in self._response if _overrides(h, "held"))
         self._breakers = tuple(h for h in self._response if _overrides(h, "broke"))
 
-    def arrived(self) -> None:
-        for hook in self.hooks:
-            hook.arrived()
+    def arrived(self) -> Awaitable[None] | None:
+        """Each hook's check in list order; None when every hook decided at once (no coroutine made), else the
+        awaitable that finishes the first pending check and runs the hooks after it."""
+        for index, hook in enumerate(self.hooks):
+            pending = hook.arrived()
+            if pending is not None:
+                return self._arrive_after(pending, index + 1)
+        return None
+
+    async def _arrive_after(self, pending: Awaitable[None], start: int) -> None:
+        await pending
+        for hook in self.hooks[start:]:
+            more = hook.arrived()
+            if more is not None:
+                await more
 
     def queued(self, seconds: float) -> None:
         for hook in self.hooks:

@@ -128,7 +128,9 @@ class Upstream:
         self._open.add(exchange)
         try:
             exchange.hooks = HookChain([h for hook in self.hooks if (h := hook.start(exchange)) is not None])
-            exchange.hooks.arrived()
+            pending = exchange.hooks.arrived()
+            if pending is not None:  # a hook's check needs a round trip (the shared quota store)
+                await pending
             response = await unless_client_leaves(self._forward_with_retry(exchange), request.receive)
             if isinstance(response, RelayedStream):
                 exchange.handed_off = True  # the stream serves the rest and settles it

@@ -15,9 +15,12 @@ from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, label_values, resolve
 from appliance.monitoring.dashboards.panels import RATE, heatmap, rate, runbooks, stat, target, tidy, timeseries
 from appliance.monitoring.promql import bucket_label
+from appliance.monitoring.rules import accounting_drift
 
 UID = "appliance-tenants"
 THROTTLED, TTFT_BURN = "ApplianceTenantThrottled", "ApplianceTenantTTFTBurn"
+ACCOUNTING_DRIFT = "ApplianceTenantAccountingDrift"
+QUOTA_STORE = "ApplianceQuotaStoreUnreachable"
 REQUESTS, TOKENS = "appliance_tenant_requests_total", "appliance_tenant_tokens_total"
 TTFT, QUEUE_WAIT = "appliance_tenant_ttft_seconds", "appliance_tenant_queue_wait_seconds"
 RATE_LIMITED = "appliance_tenant_rate_limited_total"
@@ -41,6 +44,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
     burn = config.alerts.ApplianceTenantTTFTBurn
     bound = tidy(burn.factor * budget)
     throttled = config.alerts.ApplianceTenantThrottled
+    drift = config.alerts.ApplianceTenantAccountingDrift
 
     served, everyone_served = f"{t}, {SERVED}", f"{gw}, {SERVED}"
     in_slo, fleet_in_slo = f'{t}, le="{le}"', f'{gw}, le="{le}"'
@@ -105,6 +109,18 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
                    unit="percentunit", w=8, min_=0, max_=1,
                    description="Share of each tenant's prompt tokens the engines found in their prefix cache "
                                "(cached_prompt over prompt): prefill that tenant did not cost."),
+        timeseries(22, "Accounting drift by replica",
+                   target(accounting_drift(gw, RATE), "{{replica}} {{kind}}"),
+                   target(accounting_drift(gw, RATE, fleet=True), "all replicas {{kind}}"),
+                   unit="percentunit", w=24,
+                   thresholds=[(None, "red"), (-drift.threshold, "green"), (drift.threshold, "red")],
+                   links=runbooks(config, ACCOUNTING_DRIFT),
+                   description=f"What all tenants were charged for each replica's work over what its engine "
+                               f"counted (vllm:prompt_tokens_total, vllm:generation_tokens_total), minus 1, by kind: "
+                               f"0 when the accounting adds up; above 0 tenants paid for more than the engine did. "
+                               f"Every tenant, whatever the selection. Requests in flight at the interval's edges "
+                               f"make short intervals noisy: {ACCOUNTING_DRIFT} judges {drift.window} at a time, "
+                               f"beyond the dashed lines for {drift.for_}."),
     ]
     latency = [
         timeseries(12, "TTFT p95 by tenant", target(p95(TTFT, t, by="tenant"), "{{tenant}}"),
@@ -164,6 +180,15 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
                    target(f"sum by (tenant) (appliance_tenant_queued_requests{{{t}}})", "{{tenant}}"),
                    unit="none", w=8, stack=True, links=runbooks(config, "ApplianceQueueBacklog"),
                    description="Requests of each tenant waiting in the admission queues, all gateways."),
+        timeseries(23, "Quota store",
+                   target(f"min by (instance) (appliance_quota_store_up{{{gw}}})", "{{instance}} reachable"),
+                   target(f"sum by (direction) (rate(appliance_quota_store_unchecked_requests_total{{{gw}}}"
+                          f"[{RATE}]))", "unchecked, fails {{direction}}"),
+                   unit="none", w=8, links=runbooks(config, QUOTA_STORE),
+                   description="With several gateways sharing the tenants' quotas in Redis (quota_store.kind: "
+                               "redis): 1 while each gateway reaches the store; requests per second admitted "
+                               "unchecked (failure open) or refused 503 (closed) while it does not. No series "
+                               "with the embedded buckets."),
     ]
     sections = [Section(101, "Tenants now", now), Section(102, "Usage", usage),
                 Section(103, "Latency against the SLO", latency), Section(104, "Quotas and admission", quotas)]

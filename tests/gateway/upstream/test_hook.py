@@ -1,5 +1,6 @@
-"""The hook chain: the request's side in list order, the response's side in reverse, relay methods only on the
-hooks that override them, and a break's bytes through the hooks after the one that resolved it."""
+"""The hook chain: the request's side in list order (an awaitable ``arrived`` awaited before the next hook), the
+response's side in reverse, relay methods only on the hooks that override them, and a break's bytes through the
+hooks after the one that resolved it."""
 
 from __future__ import annotations
 
@@ -66,3 +67,49 @@ def test_no_hook_frames_unless_one_asks() -> None:
 
     assert not HookChain([RequestHook(), Silent()]).frames
     assert HookChain([RequestHook(), Framing()]).frames
+
+
+class Checker(RequestHook):
+    """``arrived`` at once, or (``round_trip``) as an awaitable, as a shared quota store's check is."""
+
+    def __init__(self, name: str, log: list[str], round_trip: bool = False, refuse: bool = False) -> None:
+        self.name, self.log, self.round_trip, self.refuse = name, log, round_trip, refuse
+
+    def arrived(self):
+        if not self.round_trip:
+            self.log.append(f"arrived:{self.name}")
+            return None
+        return self._check()
+
+    async def _check(self) -> None:
+        await asyncio.sleep(0)
+        self.log.append(f"arrived:{self.name}")
+        if self.refuse:
+            raise ValueError(self.name)
+
+
+def test_arrived_needs_no_coroutine_unless_a_hook_returns_one() -> None:
+    log: list[str] = []
+    assert HookChain([Checker("a", log), RequestHook(), Checker("b", log)]).arrived() is None
+    assert log == ["arrived:a", "arrived:b"]
+
+
+def test_an_awaitable_arrived_is_awaited_before_the_hooks_after_it() -> None:
+    log: list[str] = []
+    pending = HookChain([Checker("a", log), Checker("store", log, round_trip=True), Checker("b", log),
+                         Checker("store2", log, round_trip=True), Checker("c", log)]).arrived()
+    assert pending is not None and log == ["arrived:a"]  # the rest waits for the round trip
+    asyncio.run(pending)
+    assert log == ["arrived:a", "arrived:store", "arrived:b", "arrived:store2", "arrived:c"]
+
+
+def test_a_refusal_after_a_round_trip_stops_the_hooks_after_it() -> None:
+    log: list[str] = []
+    pending = HookChain([Checker("store", log, round_trip=True, refuse=True), Checker("b", log)]).arrived()
+    try:
+        asyncio.run(pending)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the refusal was lost")
+    assert log == ["arrived:store"]
