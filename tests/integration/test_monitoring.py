@@ -36,7 +36,9 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 GPU_ONLY = re.compile(r"^appliance_(gpu|replica_gpu|engine_gpu)_|^appliance_engine_(allocation_retries|oom)_total$")
 # Series that exist only for tenants with a quota: this shared appliance has no tenants (any tenant key would close
 # /v1 to every other test here); tests/integration/test_tenants.py runs an appliance with quotas and reads them.
-QUOTA_ONLY = re.compile(r"^appliance_tenant_quota_remaining_ratio$")
+QUOTA_ONLY = re.compile(r"^appliance_tenant_quota_remaining_ratio$|"
+                        # and the shared quota store's, with quota_store.kind redis only: test_quota_store.py
+                        r"^appliance_quota_store_")
 
 
 @dataclass
@@ -141,7 +143,8 @@ def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after
 def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_path) -> None:
     """Every query of every panel of every dashboard returns data from the live appliance, except panels whose
     every metric needs a GPU (NVML, the CUDA allocator): on this CPU host those collectors are absent, by design
-    and tested in tests/collectors; and the tenants' quota levels, which this appliance (no tenants) has none of.
+    and tested in tests/collectors; and the tenants' quota levels and shared quota store, which this appliance (no
+    tenants, no store) has none of.
     The maintenance panels show the restart of the test above and an operator's drain and undrain."""
     # The drain must leave a replica the router would use: after the restart above, replica-1 may be ejected
     # for a while (a slow first answer is a TTFT outlier), and maintenance then refuses the drain (409).
