@@ -88,10 +88,11 @@ class Tally:
 
 
 async def client_loop(session: aiohttp.ClientSession, url: str, tenant: str, tokens: int, tally: Tally,
-                      stop_at: float | None, clock, counter: list[int], leave: bool = False) -> None:
+                      stop_at: float | None, clock, counter: list[int], leave: bool = False,
+                      keys: dict[str, str] = KEYS) -> None:
     """One closed-loop client: a request, then the next as soon as it ends (``leave``: as soon as its first token
-    came, hanging up on the rest), until ``stop_at`` (None: until cancelled)."""
-    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    came, hanging up on the rest), until ``stop_at`` (None: until cancelled). ``keys``: tenant -> API key."""
+    headers = {"authorization": f"Bearer {keys[tenant]}"}
     while stop_at is None or clock() < stop_at:
         counter[0] += 1
         body = build_body("demo", {"prompt": prompt(counter[0], 48)}, tokens, ignore_eos=True)
