@@ -15,7 +15,7 @@ from appliance.monitoring.config import MonitoringConfig
 from appliance.monitoring.dashboards.board import Section, Selectors, dashboard, label_values, resolve
 from appliance.monitoring.dashboards.panels import RATE, heatmap, rate, runbooks, stat, target, tidy, timeseries
 from appliance.monitoring.promql import bucket_label
-from appliance.monitoring.rules import accounting_drift
+from appliance.monitoring.tenant_rules import accounting_drift
 
 UID = "appliance-tenants"
 THROTTLED, TTFT_BURN = "ApplianceTenantThrottled", "ApplianceTenantTTFTBurn"
