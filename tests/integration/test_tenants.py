@@ -311,13 +311,25 @@ def stream_events(url: str, path: str, body: dict, key: str) -> list[dict]:
     return [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
 
 
-def by_choice(events: list[dict]) -> dict[int, list[dict]]:
-    """Each choice's events in order, without what differs between two answers (id, created)."""
-    choices: dict[int, list[dict]] = {}
+def by_choice(events: list[dict]) -> dict[int, dict]:
+    """Each choice as a client puts it together: its role (chat), its text, its finish reason, the fingerprint on
+    its finishing chunk and whether any other chunk carries one. Not where its chunks are cut: vLLM merges a
+    choice's tokens into fewer chunks when its API server falls behind the engine core, so two answers of the same
+    tokens may be cut differently (seen on a loaded machine)."""
+    choices: dict[int, dict] = {}
     for event in events:
         assert len(event["choices"]) == 1, event  # vLLM writes one choice a chunk
-        kept = {k: v for k, v in event.items() if k not in ("id", "created")}
-        choices.setdefault(event["choices"][0]["index"], []).append(kept)
+        choice = event["choices"][0]
+        delta = choice.get("delta")
+        entry = choices.setdefault(choice["index"], {
+            "object": event["object"], "model": event["model"], "text": "", "finish_reason": None,
+            "role": delta.get("role") if delta is not None else None, "fingerprint": None,
+            "fingerprint_elsewhere": False})
+        entry["text"] += (delta.get("content") or "") if delta is not None else (choice.get("text") or "")
+        if choice.get("finish_reason"):
+            entry["finish_reason"], entry["fingerprint"] = choice["finish_reason"], event.get("system_fingerprint")
+        elif "system_fingerprint" in event:
+            entry["fingerprint_elsewhere"] = True
     return choices
 
 
