@@ -4,6 +4,8 @@ charges and refills, and the gateway's 429 answer over a stub upstream (the gate
 from __future__ import annotations
 
 import json
+import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -208,6 +210,22 @@ STORM_CASES = 200
 STORM_SEED = 20260611
 
 
+def end_reservation(rng: random.Random, held: Any, reserved: int) -> tuple[int, int]:
+    """End a storm's open reservation as a request ends, drawn by ``rng``: settled to its usage, over its worst
+    case, refunded, settled then refunded, or settled twice. Returns (tokens used, requests given back)."""
+    how = rng.choice(["settle", "over", "refund", "abandon", "twice"])
+    if how == "refund":
+        held.refund()
+        return 0, held.requests
+    spent = rng.randint(0, reserved) if how != "over" else reserved + rng.randint(1, 50)
+    held.settle(spent)
+    if how == "abandon":
+        held.refund()  # the end that came second changes nothing
+    elif how == "twice":
+        held.settle(rng.randint(0, reserved))
+    return spent, 0
+
+
 def test_a_storm_of_reservations_returns_the_bucket_to_its_baseline():
     """Seeded storm: per case, requests reserve their worst case in a random order, and each then ends in one of
     the ways a request ends (settled to its usage, usage above the worst case, refunded: it reached no engine,
@@ -215,8 +233,6 @@ def test_a_storm_of_reservations_returns_the_bucket_to_its_baseline():
     nothing refills. Invariants, after every step: the level is the baseline less what is reserved now and what
     the ended requests used (nothing charged twice, nothing forgotten), and never above the capacity; a refusal
     takes nothing. After all ended and the clock ran a minute, the bucket is back at its baseline."""
-    import random
-
     rng = random.Random(STORM_SEED)
     for case in range(STORM_CASES):
         clock = FakeClock()
@@ -228,19 +244,9 @@ def test_a_storm_of_reservations_returns_the_bucket_to_its_baseline():
         used = requests_taken = 0.0
         for _step in range(rng.randint(5, 60)):
             if open_ and rng.random() < 0.5:
-                held, reserved = open_.pop(rng.randrange(len(open_)))
-                how = rng.choice(["settle", "over", "refund", "abandon", "twice"])
-                if how == "refund":
-                    held.refund()
-                    requests_taken -= held.requests
-                else:
-                    spent = rng.randint(0, reserved) if how != "over" else reserved + rng.randint(1, 50)
-                    held.settle(spent)
-                    if how == "abandon":
-                        held.refund()  # the end that came second changes nothing
-                    elif how == "twice":
-                        held.settle(rng.randint(0, reserved))
-                    used += spent
+                spent, given_back = end_reservation(rng, *open_.pop(rng.randrange(len(open_))))
+                used += spent
+                requests_taken -= given_back
             else:
                 wanted = Cost(rng.randint(1, 50), rng.randint(0, capacity // 4), rng.randint(1, 4))
                 before = (bucket.level, requests.level)

@@ -34,6 +34,7 @@ from appliance.gateway.tenants.settings import QuotaStoreSettings
 from tests.doubles import FakeClock
 from tests.gateway.live import wait_until
 from tests.gateway.redis_server import RedisServer
+from tests.gateway.test_quota import end_reservation
 from tests.gateway.upstream.support import chain, exchange
 
 
@@ -342,19 +343,9 @@ def test_a_storm_across_two_gateways_stores_returns_the_bucket_to_capacity(redis
                 for _step in range(rng.randint(5, 40)):
                     roll = rng.random()
                     if open_ and roll < 0.45:
-                        held, reserved = open_.pop(rng.randrange(len(open_)))
-                        how = rng.choice(["settle", "over", "refund", "abandon", "twice"])
-                        if how == "refund":
-                            held.refund()
-                            requests_taken -= held.requests
-                        else:
-                            spent = rng.randint(0, reserved) if how != "over" else reserved + rng.randint(1, 50)
-                            held.settle(spent)
-                            if how == "abandon":
-                                held.refund()
-                            elif how == "twice":
-                                held.settle(rng.randint(0, reserved))
-                            used += spent
+                        spent, given_back = end_reservation(rng, *open_.pop(rng.randrange(len(open_))))
+                        used += spent
+                        requests_taken -= given_back
                     elif roll < 0.55:
                         charged = rng.randint(1, 40)  # a leaving client's tokens, charged as they are made
                         rng.choice(stores).charge(who, charged)
