@@ -1,9 +1,11 @@
 """A real redis-server for the shared quota store's tests: its own port on the loopback, its own directory, no
 persistence (``--save ''``, ``--appendonly no``), killed at teardown. ``kill`` and ``start`` again on the same
-port stand for a store that goes away and comes back."""
+port stand for a store that goes away and comes back (its data gone); ``pause`` and ``resume`` (SIGSTOP, SIGCONT)
+for one that stops answering and comes back with its data, as across a network partition."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -57,3 +59,11 @@ class RedisServer:
             self.process.kill()
             self.process.wait(10)
         self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)

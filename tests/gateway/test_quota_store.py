@@ -405,6 +405,40 @@ def test_a_store_that_stops_answering_is_counted_and_said_once_each_way(own_redi
     assert "unreachable" in said[0] and "reachable again" in said[1]
 
 
+def owed(store: SharedQuotas) -> float:
+    return next(iter(store.owed.collect())).samples[0].value
+
+
+def test_what_is_charged_while_the_store_does_not_answer_is_written_once_it_does(own_redis: RedisServer) -> None:
+    """A request admitted unchecked (failure: open) is owed, not forgiven: once the store answers again the
+    buckets hold what they would have had it answered all along, the settle that timed out counted once."""
+    async def run() -> None:
+        clock = FakeClock(1000.0)  # no refill while the test runs
+        store = shared(own_redis.url, clock, probe_seconds=0.05, timeout_seconds=0.2)
+        who = tenant(tokens_per_minute=1000, requests_per_minute=10)
+        try:
+            held = await store.reserve(who, cost(100))
+            assert not isinstance(held, Refusal) and held is not None
+            own_redis.pause()
+            held.settle(10)  # times out: the store runs it when it can, so it is not owed (it would count twice)
+            assert await store.drain(5) == 0
+            assert not store.reachable and owed(store) == 0
+            unchecked = store.admit_unchecked(who, cost(50))
+            unchecked.settle(50)  # the store is known down: 50 tokens and a request are owed
+            assert await store.drain(5) == 0
+            assert owed(store) == 50
+            own_redis.resume()
+            await asyncio.sleep(0.06)
+            await store.levels(who)  # it answers: what is owed is written
+            assert await store.drain(5) == 0
+            assert await store.levels(who) == {TOKENS: 1000 - 100 + 90 - 50, REQUESTS: 10 - 1 - 1}
+            assert owed(store) == 0
+        finally:
+            own_redis.resume()
+            await store.close()
+    asyncio.run(run())
+
+
 def test_the_password_comes_from_its_file_and_a_wrong_one_is_an_unreachable_store(tmp_path) -> None:
     server = RedisServer(tmp_path / "redis", "--requirepass", "s3cret-store").start()
     (tmp_path / "password").write_text("s3cret-store\n")
@@ -576,6 +610,39 @@ def test_an_unreachable_store_fails_as_configured_and_recovers_without_a_restart
     assert samples(registry, "appliance_quota_store_up")[()] == 1
     assert client.get("/health/serving").json()["quota_store"]["reachable"] is True
     assert samples(registry, "appliance_quota_store_unchecked_requests_total")[(("direction", failure),)] == 1
+
+
+def test_a_request_admitted_unchecked_is_charged_once_the_store_answers(make_client, own_redis):
+    """failure: open lets a request through while the store does not answer; what it used is written to the
+    store when it answers again: the tenant's buckets hold what the gateway charged it, nothing forgiven."""
+    store = {"kind": "redis", "url": own_redis.url, "key_prefix": prefix(), "failure": "open",
+             "probe_seconds": 0.05, "timeout_seconds": 0.2}
+    who = {**TENANT, "tokens_per_minute": 10_000, "requests_per_minute": 100}
+    client = make_client(tenants=[who], quota_store=store)
+    shared_store = context_of(client.app).gateway.quota_store
+    assert shared_store is not None
+    shared_store.clock = FakeClock(1000.0)  # no refill: the levels say what was charged
+    assert client.post("/v1/completions", json=BODY, headers=KEY).status_code == 200
+
+    def reachable() -> bool:
+        return client.get("/health/serving").json()["quota_store"]["reachable"]
+    own_redis.pause()
+    try:
+        assert wait_until(lambda: not reachable(), 5), "the PING never found the store gone"  # a reserve is not sent
+        assert client.post("/v1/completions", json=BODY, headers=KEY).status_code == 200  # unchecked
+        assert samples(context_of(client.app).registry, "appliance_quota_store_unchecked_requests_total")[
+            (("direction", "open"),)] == 1
+    finally:
+        own_redis.resume()
+    assert wait_until(reachable, 5), "the store never showed as back"
+    time.sleep(0.1)  # what was owed is written by a task of its own
+
+    async def levels() -> dict[str, float]:
+        return await shared(own_redis.url, FakeClock(1000.0), store["key_prefix"]).levels(Tenant(**{
+            "name": "team-a", "tokens_per_minute": 10_000, "requests_per_minute": 100}))
+    now = asyncio.run(levels())
+    assert now[REQUESTS] == 100 - 2
+    assert now[TOKENS] == 10_000 - accepted_tokens(client) > 10_000 - 2 * 8 - 2 * 100, now
 
 
 def test_the_store_state_stays_true_without_requests(make_client, own_redis):

@@ -152,9 +152,11 @@ class MeteredRequest(RequestHook):
         except asyncio.CancelledError:
             reserving.add_done_callback(_give_back)
             raise
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
             if shared.fails_open:
                 shared.unchecked.labels("open").inc()
+                if exc.unsent:  # the store took nothing: what the request uses is charged at its end
+                    self.reservation = shared.admit_unchecked(self.exchange.tenant, self.cost)
                 return
             shared.unchecked.labels("closed").inc()
             raise APIError(503, "the quota store is unreachable, so this request's quota cannot be checked; retry "

@@ -16,7 +16,12 @@ tenant's key goes, and a fresh full bucket is what it would have been anyway, so
 forgiven. A limit a reload unset keeps its stored level (and the key its expiry) until it is set again.
 
 A reservation is settled off the response path: ``settle``, ``refund`` and ``charge`` start a tracked task (its
-failure counted, the tasks drained at shutdown), so a request's answer never waits for the store.
+failure counted, the tasks drained at shutdown), so a request's answer never waits for the store. What the store
+did not get because it was known to be down (the settles of those minutes, and the whole use of the requests
+admitted unchecked under ``failure: open``) is owed, one sum per tenant (``appliance_quota_store_owed_tokens``),
+and written when it answers again, so an outage does not forgive what was used in it. A call that timed out may
+have been applied all the same (Redis runs what it received once it can), so it is counted and not repeated: it
+never counts twice, and an outage loses at most the one call per gateway that found the store gone.
 
 The store can be unreachable; each call has ``timeout_seconds``. Then ``reserve`` raises ``StoreUnavailable`` and
 the caller fails in the configured direction (``tenants.metering``); ``reachable`` says so, the state changes are
@@ -118,7 +123,13 @@ return {'ok', tostring(levels[1] or ''), tostring(levels[2] or '')}
 
 
 class StoreUnavailable(Exception):
-    """The quota store did not answer in time, refused the connection, or answered with an error."""
+    """The quota store did not answer in time, refused the connection, or answered with an error. ``unsent``: the
+    call never left the gateway (the store was known to be down), so it certainly did nothing; otherwise it may
+    have been applied (a timeout says nothing of what the store did with the call)."""
+
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
+        super().__init__(message)
+        self.unsent = unsent
 
 
 class SharedReservation:
@@ -126,16 +137,19 @@ class SharedReservation:
     response path. The capacities are the ones it was reserved under, so it settles into the buckets it took
     from."""
 
-    __slots__ = ("store", "tenant", "tokens", "requests", "caps", "done")
+    __slots__ = ("store", "tenant", "tokens", "requests", "caps", "done", "owed_requests")
 
     def __init__(self, store: SharedQuotas, tenant: str, tokens: int, requests: int,
-                 caps: tuple[int, int]) -> None:
+                 caps: tuple[int, int], *, owed_requests: int = 0) -> None:
+        """``owed_requests``: requests counted only when the request is settled (an unchecked admission took
+        nothing, so what it used is charged at its end, requests included)."""
         self.store = store
         self.tenant = tenant
         self.tokens = tokens if caps[0] else 0  # what was taken
         self.requests = requests if caps[1] else 0
         self.caps = caps
         self.done = False
+        self.owed_requests = owed_requests if caps[1] else 0
 
     def settle(self, used: float) -> None:
         """The request is over and used ``used`` tokens: the rest goes back, or the excess is charged (debt
@@ -143,9 +157,9 @@ class SharedReservation:
         if self.done:
             return
         self.done = True
-        amount = max(0.0, used) - self.tokens
-        if amount and self.caps[0]:
-            self.store.background("settle", self.tenant, self.caps, amount, 0)
+        amount = max(0.0, used) - self.tokens if self.caps[0] else 0.0
+        if amount or self.owed_requests:
+            self.store.background("settle", self.tenant, self.caps, amount, self.owed_requests)
 
     def refund(self) -> None:
         """The request never reached an engine: everything taken goes back. Only the first settle or refund
@@ -189,6 +203,11 @@ class SharedQuotas:
         self.unchecked = Counter("appliance_quota_store_unchecked_requests", "Requests whose quota could not be "
                                  "checked because the store failed, by direction: open (admitted without quota), "
                                  "closed (refused 503).", ["direction"], registry=registry)
+        self._owed: dict[str, tuple[float, int, tuple[int, int]]] = {}  # tenant -> tokens, requests, caps
+        self.owed = Gauge("appliance_quota_store_owed_tokens", "Tokens this gateway charged to tenants while the "
+                          "shared quota store did not answer (requests admitted unchecked, settles that failed), "
+                          "written to the store once it answers again.", registry=registry)
+        self.owed.set_function(lambda: sum(tokens for tokens, _requests, _caps in self._owed.values()))
         for operation in OPERATIONS:
             self.errors.labels(operation)
         for direction in DIRECTIONS:
@@ -221,6 +240,11 @@ class SharedQuotas:
         wait = max(1, math.ceil(float(reply[2])))
         return Refusal(tenant.name, limit, caps[index], wait, math.ceil(needed))
 
+    def admit_unchecked(self, tenant: Tenant, cost: Cost) -> SharedReservation:
+        """A request admitted while the store could not be asked (``failure: open``): nothing was taken, so its
+        settle charges all it used and its requests; while the store is still down, that is owed (``_owe``)."""
+        return SharedReservation(self, tenant.name, 0, 0, limits_of(tenant), owed_requests=cost.requests)
+
     def charge(self, tenant: Tenant, tokens: float) -> None:
         """Charge ``tokens`` to the tenant's tokens bucket (debt allowed), off the caller's path."""
         caps = limits_of(tenant)
@@ -244,15 +268,30 @@ class SharedQuotas:
                       requests: int) -> None:
         try:
             reply = await self._call(operation, "charge", tenant, caps, tokens, requests)
-        except StoreUnavailable:
-            return  # counted; the bucket keeps what the reservation took, and refills
+        except StoreUnavailable as exc:
+            if exc.unsent:  # certainly not applied: written once the store answers again
+                self._owe(tenant, caps, tokens, requests)
+            return  # counted; one that may have been applied is not repeated (it would count twice)
         self._seen(tenant, caps, reply)
+
+    def _owe(self, tenant: str, caps: tuple[int, int], tokens: float, requests: int) -> None:
+        """A charge or a return the store did not take, kept as one sum per tenant (bounded by the tenants, not
+        by the requests) until it answers again; the last capacities it was made under are the ones it pays into."""
+        owed_tokens, owed_requests, _caps = self._owed.get(tenant, (0.0, 0, caps))
+        self._owed[tenant] = (owed_tokens + tokens, owed_requests + requests, caps)
+
+    def _pay_owed(self) -> None:
+        """What was owed while the store was down, written now that it answers (a failure owes it again)."""
+        owed, self._owed = self._owed, {}
+        for tenant, (tokens, requests, caps) in owed.items():
+            if tokens or requests:
+                self.background("charge", tenant, caps, tokens, requests)
 
     async def _call(self, operation: str, op: str, tenant: str, caps: tuple[int, int], tokens: float,
                     requests: float) -> list[str]:
         if not self.reachable and time.monotonic() < self._probe_at:
             self.errors.labels(operation).inc()
-            raise StoreUnavailable("the quota store is unreachable")
+            raise StoreUnavailable("the quota store is unreachable", unsent=True)
         now = "" if self.clock is None else repr(self.clock())
         args: list[str | int | float] = [op, now, caps[0], repr(float(tokens)), caps[1], requests, KEY_SLACK_SECONDS]
         try:
@@ -282,8 +321,11 @@ class SharedQuotas:
             down = time.time() - (self._down_since or time.time())
             self._down_since = None
             self.up.set(1)
-            log.warning("quota store %s reachable again after %.1f s: quotas are checked again",
-                        self.settings.redacted_url, down)
+            log.warning("quota store %s reachable again after %.1f s: quotas are checked again%s",
+                        self.settings.redacted_url, down,
+                        f"; {len(self._owed)} tenant(s)' charges made meanwhile are written now" if self._owed
+                        else "")
+            self._pay_owed()
 
     def _seen(self, tenant: str, caps: tuple[int, int], reply: list[str]) -> None:
         for index, limit in enumerate(LIMITS):
