@@ -328,6 +328,16 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _a_batch_claim_outlasts_a_request(self) -> Settings:
+        """A shared batch store hands a line to another gateway when its claim lapses: were the claim shorter than
+        a request may last, a line still in flight could be sent twice at once."""
+        batch = self.batch
+        if batch.database_url is not None and batch.claim_seconds <= self.gateway.request_timeout_seconds:
+            raise ValueError(f"batch.claim_seconds ({batch.claim_seconds:g}) must exceed "
+                             f"gateway.request_timeout_seconds ({self.gateway.request_timeout_seconds:g})")
+        return self
+
+    @model_validator(mode="after")
     def _collectors_know_the_kv_dtype(self) -> Settings:
         """An fp8 KV cache stores one byte per element: the roofline's KV bytes per token follow the engine's
         setting (its width from model/shape.py, the one table of dtype widths) unless the operator set

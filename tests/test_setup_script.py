@@ -115,7 +115,8 @@ def test_setup_tools_installs_the_network_backend_whose_dns_resolves_service_nam
     """Found on a machine that never had netavark: with podman, runc and iptables alone (apt without recommends),
     podman ran on CNI without DNS, Prometheus could not resolve `alertmanager` and the compose test failed. The
     script now installs netavark and aardvark-dns whenever they are missing, even with podman present."""
-    tools = ["promtool", "amtool", "docker-compose", "podman", "runc", "iptables", "debootstrap", "redis-server"]
+    tools = ["promtool", "amtool", "docker-compose", "podman", "runc", "iptables", "debootstrap", "redis-server",
+             "pg_ctl"]
     env = _tools_env(tmp_path, tools)
     done = subprocess.run(["/bin/bash", "scripts/setup-tools"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)

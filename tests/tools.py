@@ -1,4 +1,5 @@
-"""External tools the tests use (promtool, amtool, Prometheus, Alertmanager, docker-compose, redis-server).
+"""External tools the tests use (promtool, amtool, Prometheus, Alertmanager, docker-compose, redis-server,
+PostgreSQL's initdb and pg_ctl).
 
 Absent on a developer's machine, the tests that need them skip with the Debian package to install; in CI
 (``APPLIANCE_REQUIRE_TOOLS=1``, set by .ci/run after installing them) an absent tool is a failure, so a test

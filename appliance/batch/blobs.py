@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -39,13 +40,18 @@ class FileBlobs:
     def remove(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
 
-    def sweep(self, known: Collection[str]) -> int:
-        """Remove what a crash left: files the database does not know, and temporary files. Returns how many."""
+    def sweep(self, known: Collection[str], *, younger_kept: float = 0.0) -> int:
+        """Remove what a crash left: files the database does not know, and temporary files. Returns how many.
+        ``younger_kept``: files modified less than this many seconds ago stay (a folder several gateways share may
+        hold one another gateway is writing, or has written and is about to record)."""
         if not self.folder.is_dir():
             return 0
         removed = 0
+        settled = time.time() - younger_kept
         for entry in self.folder.iterdir():
             if entry.name in known or not (entry.name.startswith(".") or _ID.match(entry.name)):
+                continue
+            if younger_kept > 0 and _modified(entry) > settled:
                 continue
             entry.unlink(missing_ok=True)
             removed += 1
@@ -59,3 +65,10 @@ class FileBlobs:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _modified(entry: Path) -> float:
+    try:
+        return entry.stat().st_mtime
+    except FileNotFoundError:  # gone meanwhile (renamed into place, or removed by another gateway)
+        return 0.0

@@ -314,9 +314,11 @@ class BatchRunner:
 
     def _give_back(self, which: Callable[[str], bool], why: str) -> None:
         for (batch_id, _), (_, submission) in list(self._in_flight.items()):
+            await self._release(batch, line)
             if which(batch_id):
                 submission.abandon(why)
 
+            await self._release(batch, line)
 
 def _pending(store: BatchStore, _: FileBlobs, *, batch_id: str, now: float, exclude: set[int], limit: int
              ) -> list[PendingLine]:
@@ -331,6 +333,11 @@ def _close_unanswered(store: BatchStore, batch: BatchRecord, outcome: Status) ->
     pending = store.pending_lines(batch.id, now=math.inf, exclude=(), limit=None)
     results = [(line.index, error_result(batch.id, line.index, line.custom_id, code, message)) for line in pending]
     return len(store.record_results(batch.id, results)) if results else 0
+    async def _release(self, batch: BatchRecord, line: PendingLine) -> None:
+        """The line goes back unanswered: where several gateways share the store, one with room may take it now
+        rather than when this one's claim ends."""
+        await self.storage.call(lambda store, _: store.release(batch.id, [line.index]))
+
 
 
 def _write_results(store: BatchStore, blobs: FileBlobs, batch: BatchRecord, kind: str, now: int) -> FileRecord | None:

@@ -5,7 +5,7 @@ OpenAI gives it, so the routes only move values. A tenant sees only its own file
 is answered as unknown (404), never as forbidden, so ids reveal nothing. ``tenant=None`` is the operator's view
 (the admin routes, ``appliance batches``).
 
-Storage work (SQLite commits with fsync, file writes, reading and checking an input file of up to
+Storage work (database commits with fsync, file writes, reading and checking an input file of up to
 ``batch.max_file_bytes``) runs on one thread of its own (``Storage``), never on the gateway's event loop, where it
 would hold up every stream's next token.
 """
@@ -35,40 +35,57 @@ from appliance.batch.model import (
 )
 from appliance.batch.settings import BatchSettings
 from appliance.batch.sqlite import SQLiteBatchStore
-from appliance.batch.store import BatchStore
+from appliance.batch.store import BatchStore, StoreUnavailable
 from appliance.http.errors import APIError
 
 T = TypeVar("T")
 MAX_PAGE = 100
 MAX_FILENAME = 255
 WINDOW = re.compile(r"^([1-9][0-9]{0,4})h$")
+STORE_RETRY_AFTER = 5  # seconds: a 503 batch_store_unavailable's Retry-After
+# A shared files folder: a file written by another gateway is recorded right after (an upload's, a result file's
+# write and record are one storage call); ten minutes is far beyond that, and an orphan waits at most that long.
+SHARED_SWEEP_GRACE_SECONDS = 600.0
 
 
 class Storage:
     """The store and the files on disk, used from one thread of their own. The database is opened on first need
-    (created only by a write: an appliance that never saw a batch writes nothing); the first open removes files
-    a crash left unrecorded."""
+    (an SQLite file is created only by a write: an appliance that never saw a batch writes nothing); the first open
+    removes files a crash left unrecorded.
 
-    def __init__(self, database: Path, files: Path,
+    ``database``: an SQLite file's path (opened with ``open_store``), or what opens a server database's store
+    (PostgreSQL: several gateways share it and the files folder). A shared folder may hold a file another gateway
+    is writing and has not yet recorded: the sweep leaves files younger than ``SHARED_SWEEP_GRACE_SECONDS``."""
+
+    def __init__(self, database: Path | Callable[[], BatchStore], files: Path,
                  open_store: Callable[[Path], BatchStore] = SQLiteBatchStore) -> None:
         self.database = database
         self.blobs = FileBlobs(files)
-        self._open_store = open_store
+        self._open_store: Callable[[], BatchStore] = (functools.partial(open_store, database)
+                                                      if isinstance(database, Path) else database)
         self._store: BatchStore | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch-storage")
 
+    @property
+    def shared(self) -> bool:
+        return not isinstance(self.database, Path)
+
     def exists(self) -> bool:
-        return self._store is not None or self.database.exists()
+        return self._store is not None or not isinstance(self.database, Path) or self.database.exists()
 
     async def call(self, work: Callable[[BatchStore, FileBlobs], T]) -> T:
-        """``work(store, blobs)`` on the storage thread."""
+        """``work(store, blobs)`` on the storage thread; a server database out of reach is a 503."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._run, work))
+        try:
+            return await loop.run_in_executor(self._executor, functools.partial(self._run, work))
+        except StoreUnavailable as exc:  # what failed is in the chain the logs show, not in what a client reads
+            raise APIError(503, "the batch database cannot be reached now; try again shortly",
+                           code="batch_store_unavailable", headers={"Retry-After": str(STORE_RETRY_AFTER)}) from exc
 
     def _run(self, work: Callable[[BatchStore, FileBlobs], T]) -> T:
         if self._store is None:
-            self._store = self._open_store(self.database)
-            self.blobs.sweep(self._store.file_ids())
+            self._store = self._open_store()
+            self.blobs.sweep(self._store.file_ids(), younger_kept=SHARED_SWEEP_GRACE_SECONDS if self.shared else 0)
         return work(self._store, self.blobs)
 
     def close(self) -> None:

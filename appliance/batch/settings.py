@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from appliance.secret_files import read_secret_file
+from appliance.setting_types import blank_is_unset
 
 UPLOAD_FRAMING_BYTES = 1 << 20  # an upload's body: the file, plus the multipart form's framing and other fields
 
@@ -24,9 +29,34 @@ class BatchSettings(BaseModel):
         "state_dir/batch/batch.sqlite3. Created on the first upload; an appliance that never saw a batch writes "
         "nothing."
     )
+    database_url: str | None = Field(
+        None, description="A PostgreSQL database (postgresql://user@host:port/dbname, libpq's parameters such as "
+        "?sslmode=verify-full after it) shared by several gateways: set, it takes the place of database, and every "
+        "gateway pointing at it serves and runs the same batches (files_dir must then be one folder they all "
+        "mount). PostgreSQL 13 or newer. No password here: set database_password_file."
+    )
+    database_password_file: Path | None = Field(
+        None, description="File holding the PostgreSQL password (a mounted secret). The store keeps the password "
+        "read at start: a new one takes a restart."
+    )
+    database_schema: str = Field(
+        "appliance_batch", pattern=r"^[a-z_][a-z0-9_]{0,62}$", description="The PostgreSQL schema of the tables, "
+        "created with them on first use when missing, so appliances sharing one database keep apart; gateways "
+        "sharing batches use the same one."
+    )
+    database_connect_timeout_seconds: float = Field(
+        10.0, gt=0, le=300, description="Longest connecting to the PostgreSQL database may take; past it the call "
+        "fails (the API answers 503 batch_store_unavailable, the runner tries again at its next step)."
+    )
+    claim_seconds: float = Field(
+        900.0, gt=0, description="PostgreSQL only: a line a gateway took to send is held from the others this long "
+        "(renewed each time it is sent, released when it goes back unanswered), so a gateway that dies with lines in "
+        "flight hands them over after it. "
+        "Must exceed gateway.request_timeout_seconds: a line in flight is never sent by a second gateway."
+    )
     files_dir: Path | None = Field(
         None, description="Where uploaded and result files are kept (one file each, written atomically). Unset: "
-        "state_dir/batch/files."
+        "state_dir/batch/files. With database_url, one folder every gateway mounts (NFS, a ReadWriteMany volume)."
     )
     max_file_bytes: int = Field(
         16_777_216, ge=1024, description="Largest file /v1/files accepts (400 file_too_large beyond it); the "
@@ -69,3 +99,26 @@ class BatchSettings(BaseModel):
         0.5, gt=0, description="How often the batch runner looks for work, expiries and cancellations when nothing "
         "woke it (an upload, a finished line, a cancel wake it at once)."
     )
+
+    _password: str | None = None
+
+    @field_validator("database_url", "database_password_file", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: Any) -> Any:
+        return blank_is_unset(value)
+
+    @model_validator(mode="after")
+    def _read_password(self) -> BatchSettings:
+        if self.database_url is not None:
+            parts = urlsplit(self.database_url)
+            if parts.scheme not in ("postgresql", "postgres"):
+                raise ValueError("batch.database_url: a postgresql:// URL")
+            if parts.password or "password=" in parts.query:
+                raise ValueError("batch.database_url holds a password: set batch.database_password_file instead")
+        self._password = (read_secret_file(self.database_password_file, setting="batch.database_password_file")
+                          if self.database_password_file is not None else None)
+        return self
+
+    @property
+    def database_password(self) -> str | None:
+        return self._password

@@ -1,5 +1,5 @@
-"""The Batch API's storage, as a Protocol: the one thing a server database (PostgreSQL) would implement to take
-SQLite's place (``sqlite.py``).
+"""The Batch API's storage, as a Protocol: SQLite for one host (``sqlite.py``), PostgreSQL for several gateways
+sharing batches (``postgres.py``); both run the same statements (``sql.py``).
 
 Every method is one transaction, so a process killed at any moment leaves each batch as it was before the call or
 after it. Two guarantees the rest relies on:
@@ -10,6 +10,9 @@ after it. Two guarantees the rest relies on:
   the runner's completion) cannot both win.
 
 ``tenant`` arguments scope a read or delete to one tenant (None: every tenant, for the admin view).
+
+A shared store adds a third: a line taken to be sent (``pending_lines`` with a limit) is claimed, so no two gateways
+send it at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from appliance.batch.model import BatchRecord, FileRecord, LineInput, LineResult, PendingLine, Status, Summary
+
+
+class StoreUnavailable(RuntimeError):
+    """A server database cannot be reached now (the message names it, never its credentials): the call did
+    nothing, and may be made again."""
 
 
 class BatchStore(Protocol):
@@ -90,7 +98,13 @@ class BatchStore(Protocol):
     def pending_lines(self, batch_id: str, *, now: float, exclude: Collection[int], limit: int | None
                       ) -> list[PendingLine]:
         """Lines not yet answered and not waiting for a retry at ``now``, in input order, leaving out ``exclude``
-        (the lines in flight); all of them when ``limit`` is None."""
+        (this process's lines in flight); all of them when ``limit`` is None. With a limit they are to be sent: a
+        store shared by several gateways claims them for this process and leaves out those another holds."""
+        ...
+
+    def release(self, batch_id: str, indexes: Sequence[int]) -> None:
+        """Lines this process took and gave back unanswered (preempted, no room): a shared store lets another
+        gateway take them at once. A store of one process has nothing to do."""
         ...
 
     def record_results(self, batch_id: str, results: Sequence[tuple[int, LineResult]]) -> list[int]:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from appliance.batch.metrics import BatchMetrics
+from appliance.batch.postgres import PostgresBatchStore
 from appliance.batch.runner import BatchRunner
 from appliance.batch.service import BatchService, Storage
-from appliance.batch.settings import UPLOAD_FRAMING_BYTES
+from appliance.batch.settings import UPLOAD_FRAMING_BYTES, BatchSettings
+from appliance.batch.store import BatchStore
 from appliance.batch.submit import GatewaySubmitter
 from appliance.gateway.core import Gateway
 from appliance.gateway.intake.limits import BodyLimit
@@ -44,7 +47,7 @@ def build_batch(settings: Settings, gateway: Gateway, registry: CollectorRegistr
     if not section.enabled or settings.role == "node":
         return None
     root = settings.state_dir / "batch"
-    storage = Storage(section.database or root / "batch.sqlite3", section.files_dir or root / "files")
+    storage = Storage(_database(section, root), section.files_dir or root / "files")
     service = BatchService(section, storage, served_model=settings.served_model_name,
                            max_model_len=settings.engine.max_model_len)
     admission = gateway.admission
@@ -59,6 +62,16 @@ def build_batch(settings: Settings, gateway: Gateway, registry: CollectorRegistr
 
 
 def upload_limits(settings: Settings) -> dict[str, BodyLimit]:
+def _database(section: BatchSettings, root: Path) -> Path | Callable[[], BatchStore]:
+    """The SQLite file, or, with ``batch.database_url``, what opens the PostgreSQL store every gateway shares."""
+    if section.database_url is None:
+        return section.database or root / "batch.sqlite3"
+    url, password = section.database_url, section.database_password
+    return lambda: PostgresBatchStore(url, password=password, schema=section.database_schema,
+                                      claim_seconds=section.claim_seconds,
+                                      connect_timeout_seconds=section.database_connect_timeout_seconds)
+
+
     """The intake's body limit for uploads: a batch file is larger than any request (gateway.max_request_bytes),
     and no body can be larger than the whole body budget (intake.body_budget_bytes), which then names the limit."""
     if not settings.batch.enabled:

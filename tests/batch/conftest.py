@@ -4,14 +4,17 @@ engines of tests/conftest.py (``stubs``); helpers to write input files and wait 
 from __future__ import annotations
 
 import json
+import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from appliance.batch.postgres import PostgresBatchStore
 from appliance.settings import Settings
+from tests.batch.postgres_server import PostgresServer
 from tests.doubles import FakeReplica
 from tests.gateway.live import app_clients
 
@@ -93,3 +96,20 @@ def replicas(stubs: list[Any]) -> list[FakeReplica]:
 @pytest.fixture
 def client(make_batch_client: Callable[..., TestClient]) -> TestClient:
     return make_batch_client()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session (skips, naming the package, where it is not installed)."""
+    server = PostgresServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def postgres_store(server: PostgresServer, schema: str | None = None, **options: Any) -> PostgresBatchStore:
+    """A store on ``server`` in ``schema`` (a new one of its own unless named: another store naming it shares its
+    batches, as a second gateway does)."""
+    return PostgresBatchStore(server.url, password=server.password_file.read_text().strip(),
+                              schema=schema or f"test_{secrets.token_hex(6)}", **options)
