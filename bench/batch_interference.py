@@ -13,11 +13,12 @@ One real vLLM replica (the CPU build, the demo model) behind the appliance's gat
 It prints the interactive TTFT p50/p90 of both phases and their ratio (goal: p90 within 1.2x of alone), and the
 batch's lines answered per second while interactive traffic ran and after, with its end status and counts (it
 must finish, every line answered once). Numbers, never assertions. The batch settings are the defaults
-(``batch.max_concurrency``, ``batch.headroom_fraction``, ``batch.preempt``), the admission limit is the engine's
-``max_num_seqs``, and the engine schedules by priority (batch lines go behind interactive requests inside it).
+(``batch.max_concurrency``, ``batch.headroom_fraction``, ``batch.yield_seconds``, ``batch.preempt``) unless a flag
+sets one, the admission limit is the engine's ``max_num_seqs``, and the engine schedules by priority (batch lines
+go behind interactive requests inside it).
 
     .venv/bin/python bench/batch_interference.py [--lines 2000] [--phase-seconds 60] [--concurrency 2]
-        [--policy priority|fcfs] [--model DIR]
+        [--policy priority|fcfs] [--max-concurrency N] [--headroom-fraction F] [--yield-seconds S] [--model DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from appliance.batch.settings import BatchSettings  # noqa: E402
 from appliance.loadtest.client import monotonic_clock  # noqa: E402
 from appliance.loadtest.stats import percentile  # noqa: E402
 from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
@@ -42,6 +45,15 @@ from bench.tenant_fairness import Tally, client_loop, demo_model, ttfts  # noqa:
 
 KEYS = {"interactive": "interactive-key-0123456789", "batch": "batch-key-0123456789"}
 ENDED = ("completed", "failed", "expired", "cancelled")
+TUNED = ("max_concurrency", "headroom_fraction", "yield_seconds")  # the batch settings a flag may set
+
+
+def batch_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The batch settings the run uses: a flag's value, else the environment's, else the default."""
+    defaults = BatchSettings()
+    return {name: str(getattr(args, name) if getattr(args, name) is not None
+                      else os.environ.get(f"APPLIANCE_BATCH__{name.upper()}", getattr(defaults, name)))
+            for name in TUNED}
 
 
 async def interactive(url: str, args: argparse.Namespace) -> dict:
@@ -87,6 +99,7 @@ def done(batch: dict) -> int:
 def report(alone: dict, beside: dict, pace: dict, final: dict, args: argparse.Namespace) -> None:
     print(f"\ninteractive: {args.concurrency} clients x {args.tokens}-token streams; batch: {args.lines} lines x "
           f"{args.line_tokens} tokens; one replica, max_num_seqs {args.max_num_seqs}, engine policy {args.policy}")
+    print("batch settings: " + ", ".join(f"{name} {value}" for name, value in batch_settings(args).items()))
     print(f"{'interactive phase':<18} {'n':>5} {'err':>4} {'TTFT p50 ms':>11} {'p90 ms':>8}")
     for name, r in (("alone", alone), ("with batch", beside)):
         p50, p90 = (f"{1000 * r[k]:.0f}" if r[k] is not None else "-" for k in ("p50", "p90"))
@@ -111,6 +124,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="interactive completion tokens")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--policy", choices=("priority", "fcfs"), default="priority")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="batch.max_concurrency")
+    parser.add_argument("--headroom-fraction", type=float, default=None, help="batch.headroom_fraction")
+    parser.add_argument("--yield-seconds", type=float, default=None, help="batch.yield_seconds")
     parser.add_argument("--batch-timeout", type=float, default=1800)
     parser.add_argument("--base-port", type=int, default=18700)
     parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
@@ -124,7 +140,9 @@ def main() -> None:
            "APPLIANCE_MODEL": str(model), "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(port),
            "APPLIANCE_ENGINE_BASE_PORT": str(args.base_port), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "512",
            "APPLIANCE_ENGINE__MAX_NUM_SEQS": str(args.max_num_seqs),
-           "APPLIANCE_ENGINE__SCHEDULING_POLICY": args.policy, "APPLIANCE_BATCH__MAX_LINES": str(args.lines)}
+           "APPLIANCE_ENGINE__SCHEDULING_POLICY": args.policy, "APPLIANCE_BATCH__MAX_LINES": str(args.lines),
+           **{f"APPLIANCE_BATCH__{name.upper()}": str(getattr(args, name)) for name in TUNED
+              if getattr(args, name) is not None}}
     started = time.monotonic()
     proc = start([sys.executable, "-m", "appliance.cli", "serve"], env, state / "appliance.log")
     try:

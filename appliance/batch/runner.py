@@ -85,6 +85,10 @@ class BatchRunner:
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._paused_until = -math.inf  # monotonic: no line is sent before (a preemption, no idle capacity)
+        self._held_until = -math.inf  # monotonic: no new line before (an interactive request arrived)
+        self._hold_began = -math.inf  # monotonic: when the current run of holds began
+        self._open_until = -math.inf  # monotonic: arrivals hold nothing before (a hold ran to its longest)
+        self._resume: asyncio.TimerHandle | None = None  # wakes the runner when a pause or a hold ends
         self._tenant_paused: dict[str, float] = {}  # a tenant whose quota is spent: until when
         self._expired_at = -math.inf  # monotonic: the last look for files past their retention
 
@@ -100,6 +104,8 @@ class BatchRunner:
             with suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
+        if self._resume is not None:
+            self._resume.cancel()
         self._give_back(lambda _batch: True, "stopped")
         if self._tasks:
             _, late = await asyncio.wait(set(self._tasks), timeout=grace_seconds)
@@ -121,6 +127,22 @@ class BatchRunner:
         self._paused_until = self.monotonic() + self.settings.backoff_seconds
         if self.settings.preempt:
             self._give_back(lambda _batch: True, "preempted")
+
+    def yield_to_interactive(self) -> None:
+        """An interactive request arrived: no new line is sent for ``batch.yield_seconds`` (lines in flight go
+        on), so that its prefill and first token do not wait behind batch lines starting. Arrivals in a row hold
+        at most ``batch.max_yield_seconds``; then lines are sent for ``batch.yield_seconds`` whatever arrives, so
+        a steady interactive stream never stops a batch."""
+        hold = self.settings.yield_seconds
+        now = self.monotonic()
+        if hold <= 0 or now < self._open_until:
+            return
+        if now >= self._held_until:
+            self._hold_began = now
+        longest = self._hold_began + self.settings.max_yield_seconds
+        self._held_until = min(max(self._held_until, now + hold), longest)
+        if self._held_until >= longest:
+            self._open_until = longest + hold
 
     async def _run(self) -> None:
         while True:
@@ -236,7 +258,9 @@ class BatchRunner:
 
     async def _fill(self, running: list[BatchRecord]) -> None:
         now = self.monotonic()
-        if now < self._paused_until:
+        until = max(self._paused_until, self._held_until)
+        if now < until:
+            self._wake_at(until - now)
             return
         room = min(self.settings.max_concurrency - len(self._in_flight), self.gate.idle_room())
         if room <= 0:
@@ -256,6 +280,12 @@ class BatchRunner:
                 room -= 1
             if room <= 0:
                 return
+
+    def _wake_at(self, delay: float) -> None:
+        """Step again in ``delay`` seconds (when a pause or a hold ends), not only at the next poll."""
+        if self._resume is not None:
+            self._resume.cancel()
+        self._resume = asyncio.get_running_loop().call_later(delay, self.wake)
 
     def _launch(self, batch: BatchRecord, line: PendingLine) -> None:
         submission = Submission()
@@ -284,9 +314,11 @@ class BatchRunner:
         if submission.abandoned is not None and answer.status == 499:  # an answer complete before it is kept
             if self.metrics is not None:
                 self.metrics.given_back.labels(submission.abandoned).inc()
+            await self._release(batch, line)
             return
         if answer.status in LATER:
             self._defer(batch, answer)
+            await self._release(batch, line)
             return
         if answer.status in SERVER_ERRORS and line.attempts + 1 < self.settings.max_attempts:
             not_before = self.clock() + self.settings.backoff_seconds * 2 ** line.attempts
@@ -301,6 +333,11 @@ class BatchRunner:
         if recorded and self.metrics is not None:
             self.metrics.answered_line(batch.tenant, result.kind, result.usage)
 
+    async def _release(self, batch: BatchRecord, line: PendingLine) -> None:
+        """The line goes back unanswered: where several gateways share the store, one with room may take it now
+        rather than when this one's claim ends."""
+        await self.storage.call(lambda store, _: store.release(batch.id, [line.index]))
+
     def _defer(self, batch: BatchRecord, answer: Answer) -> None:
         now = self.monotonic()
         if answer.code == "rate_limit_exceeded":  # this tenant's quota: only its batches wait
@@ -314,11 +351,9 @@ class BatchRunner:
 
     def _give_back(self, which: Callable[[str], bool], why: str) -> None:
         for (batch_id, _), (_, submission) in list(self._in_flight.items()):
-            await self._release(batch, line)
             if which(batch_id):
                 submission.abandon(why)
 
-            await self._release(batch, line)
 
 def _pending(store: BatchStore, _: FileBlobs, *, batch_id: str, now: float, exclude: set[int], limit: int
              ) -> list[PendingLine]:
@@ -333,11 +368,6 @@ def _close_unanswered(store: BatchStore, batch: BatchRecord, outcome: Status) ->
     pending = store.pending_lines(batch.id, now=math.inf, exclude=(), limit=None)
     results = [(line.index, error_result(batch.id, line.index, line.custom_id, code, message)) for line in pending]
     return len(store.record_results(batch.id, results)) if results else 0
-    async def _release(self, batch: BatchRecord, line: PendingLine) -> None:
-        """The line goes back unanswered: where several gateways share the store, one with room may take it now
-        rather than when this one's claim ends."""
-        await self.storage.call(lambda store, _: store.release(batch.id, [line.index]))
-
 
 
 def _write_results(store: BatchStore, blobs: FileBlobs, batch: BatchRecord, kind: str, now: int) -> FileRecord | None:

@@ -87,6 +87,16 @@ class BatchSettings(BaseModel):
         "line in flight at once (the engine aborts it; the line runs again later). Off: lines in flight finish, "
         "only new ones wait."
     )
+    yield_seconds: float = Field(
+        0.1, ge=0, description="After an interactive request arrives, no new batch line is sent for this long "
+        "(lines in flight go on): its prefill and first token do not share the engine's steps, nor the host's "
+        "cores, with batch lines starting. Each arrival holds from its own time. 0: off."
+    )
+    max_yield_seconds: float = Field(
+        0.5, gt=0, description="Longest batch.yield_seconds holds back new lines in a row while interactive "
+        "requests keep arriving; then lines are sent for batch.yield_seconds before an arrival holds them again, "
+        "so a steady interactive stream slows a batch and never stops it."
+    )
     backoff_seconds: float = Field(
         2.0, gt=0, description="After a preemption, or when no capacity was idle, how long batch work waits before "
         "it tries again; a failed line (5xx) waits this long times 2^attempt."

@@ -58,10 +58,10 @@ def build_batch(settings: Settings, gateway: Gateway, registry: CollectorRegistr
     runner.metrics = BatchMetrics(registry, lambda: runner.summary, runner.in_flight)
     service.on_change = runner.wake
     admission.on_wait = runner.preempt  # an interactive request queues: batch work gives its slots back
+    admission.on_arrival = runner.yield_to_interactive  # an interactive request arrives: no new line for a while
     return Batch(service, runner, storage)
 
 
-def upload_limits(settings: Settings) -> dict[str, BodyLimit]:
 def _database(section: BatchSettings, root: Path) -> Path | Callable[[], BatchStore]:
     """The SQLite file, or, with ``batch.database_url``, what opens the PostgreSQL store every gateway shares."""
     if section.database_url is None:
@@ -72,6 +72,7 @@ def _database(section: BatchSettings, root: Path) -> Path | Callable[[], BatchSt
                                       connect_timeout_seconds=section.database_connect_timeout_seconds)
 
 
+def upload_limits(settings: Settings) -> dict[str, BodyLimit]:
     """The intake's body limit for uploads: a batch file is larger than any request (gateway.max_request_bytes),
     and no body can be larger than the whole body budget (intake.body_budget_bytes), which then names the limit."""
     if not settings.batch.enabled:

@@ -118,6 +118,23 @@ def test_an_interactive_request_that_queues_takes_the_slots_of_batch_lines(make_
     assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 
 
+def test_an_interactive_request_holds_back_new_batch_lines(make_batch_client, stubs):
+    """With ``batch.yield_seconds``, an interactive request's arrival holds back the next batch lines though the
+    replicas are idle; they are sent when the hold ends."""
+    client = make_batch_client(batch={"yield_seconds": 1.5, "max_yield_seconds": 1.5})
+    response = client.post("/v1/chat/completions", headers=auth("team-b"),
+                           json={"model": "demo", "messages": [{"role": "user", "content": "now"}]})
+    assert response.status_code == 200
+    held_from = time.monotonic()
+    batch_id = create(client, upload(client, jsonl([chat_line("a"), chat_line("b")])).json()["id"]).json()["id"]
+    wait_for(client, batch_id, statuses=("in_progress",))
+    time.sleep(0.3)
+    if time.monotonic() - held_from < 1.2:  # still within the hold (a slow host proves nothing here)
+        assert sum(len(stub.received) for stub in stubs) == 1  # the interactive request only
+    assert wait_for(client, batch_id)["request_counts"]["completed"] == 2
+    assert time.monotonic() - held_from >= 1.5
+
+
 def test_a_draining_appliance_gives_its_lines_back(make_batch_client, stubs):
     client = make_batch_client()
     for stub in stubs:
@@ -300,6 +317,56 @@ def test_without_idle_capacity_or_while_draining_nothing_is_sent(tmp_path):
         await h.step()
         await h.step()
         assert (await h.get(batch_id))["status"] == "completed"
+
+    run(scenario)
+
+
+def test_an_interactive_arrival_holds_back_new_lines_not_those_in_flight(tmp_path):
+    """``batch.yield_seconds`` after an interactive request arrives, no new line is sent; a line already in flight
+    goes on (it is not given back), and sending resumes when the hold ends, without waiting for the next poll."""
+
+    async def scenario():
+        h = Harness(tmp_path, yield_seconds=0.5, max_yield_seconds=2.0)
+        h.settings.poll_seconds = 60.0
+        batch_id = await h.batch(3)
+        h.script.hang = {"team-a-0"}
+        h.gate.room = 1
+        await h.step()
+        assert h.script.sent == ["team-a-0"]
+        h.gate.room = 100
+        h.runner.yield_to_interactive()
+        h.monotonic.advance(0.3)
+        h.runner.yield_to_interactive()  # a second arrival: held 0.5 s from it
+        h.monotonic.advance(0.4)
+        await h.step()
+        assert h.script.sent == ["team-a-0"] and h.script.hanging == 1  # held, and the line in flight goes on
+        h.runner.start()
+        await asyncio.sleep(0.05)
+        assert h.script.sent == ["team-a-0"]
+        h.monotonic.advance(0.1)
+        await asyncio.sleep(0.2)  # the hold's end wakes the runner, long before its 60 s poll
+        assert sorted(h.script.sent) == ["team-a-0", "team-a-1", "team-a-2"]
+        h.script.hang.clear()
+        await h.runner.stop()
+        assert (await h.get(batch_id))["request_counts"]["completed"] == 2
+
+    run(scenario)
+
+
+def test_arrivals_in_a_row_hold_lines_back_at_most_max_yield_seconds(tmp_path):
+    """Interactive requests every 0.25 s, each holding new lines 0.5 s: after 1.5 s in a row lines are sent for
+    0.5 s whatever arrives, then arrivals hold them again."""
+
+    async def scenario():
+        h = Harness(tmp_path, yield_seconds=0.5, max_yield_seconds=1.5, max_concurrency=1)
+        await h.batch(10)
+        sent_at: dict[int, float] = {}
+        for _ in range(14):  # 0 .. 3.25 s
+            h.runner.yield_to_interactive()
+            await h.step()
+            sent_at.setdefault(len(h.script.sent), h.monotonic() - 100.0)
+            h.monotonic.advance(0.25)
+        assert sent_at == {0: 0.0, 1: 1.5, 2: 1.75}  # held 1.5 s, open 0.5 s, held again from 2.0
 
     run(scenario)
 

@@ -70,6 +70,8 @@ class Admission:
         self.idle_headroom = idle_headroom
         # Called when a request has to wait in the queue: background work gives its slots back (appliance.batch).
         self.on_wait: Callable[[], None] | None = None
+        # Called when a request arrives (not background work): batch work holds back its next lines (appliance.batch).
+        self.on_arrival: Callable[[], None] | None = None
         self._clock = clock
         self._queues: dict[str, deque[_Waiter]] = {}  # per tenant, oldest first
         self._seq = itertools.count()
@@ -144,6 +146,8 @@ class Admission:
         served at once: it is answered now only if no waiter ahead of it in fair order could take the room."""
         if tenant.name in self._revoked:  # authenticated before a reload removed its tenant
             raise revoked_error()
+        if self.on_arrival is not None:
+            self.on_arrival()
         self._tenants[tenant.name] = tenant
         if not self._active(tenant.name):
             self.virtual.activate(tenant.name, tenant.priority, self._active_priorities())
