@@ -9,8 +9,11 @@ One real vLLM replica (the CPU build, the demo model) behind the appliance's gat
 2. ``with batch``: a batch of ``--lines`` requests (``--line-tokens`` tokens each) is created; once its first
    lines are answered, the interactive tenant runs again for ``--phase-seconds`` while it runs.
 3. ``batch alone``: the batch goes on with no interactive traffic until it ends (or ``--batch-timeout``).
+4. ``alone again``: the interactive tenant once more, nothing else, as in 1.
 
-It prints the interactive TTFT p50/p90 of both phases and their ratio (goal: p90 within 1.2x of alone), and the
+It prints the interactive TTFT p50/p90 of each interactive phase and the ratio of "with batch" to the better of the
+two alone phases (goal: p90 within 1.2x of alone; on a shared host other work can slow one alone phase, which would
+flatter the ratio, so the baseline is measured twice and the lower counts), and the
 batch's lines answered per second while interactive traffic ran and after, with its end status and counts (it
 must finish, every line answered once). Numbers, never assertions. The batch settings are the defaults
 (``batch.max_concurrency``, ``batch.headroom_fraction``, ``batch.yield_seconds``, ``batch.preempt``) unless a flag
@@ -96,19 +99,27 @@ def done(batch: dict) -> int:
     return int(counts.get("completed", 0)) + int(counts.get("failed", 0))
 
 
-def report(alone: dict, beside: dict, pace: dict, final: dict, args: argparse.Namespace) -> None:
+def better(first: dict, second: dict) -> dict:
+    """The alone phase with the lower p90: the stricter baseline."""
+    if first["p90"] is None:
+        return second
+    return first if second["p90"] is None or first["p90"] <= second["p90"] else second
+
+
+def report(alone: dict, again: dict, beside: dict, pace: dict, final: dict, args: argparse.Namespace) -> None:
     print(f"\ninteractive: {args.concurrency} clients x {args.tokens}-token streams; batch: {args.lines} lines x "
           f"{args.line_tokens} tokens; one replica, max_num_seqs {args.max_num_seqs}, engine policy {args.policy}")
     print("batch settings: " + ", ".join(f"{name} {value}" for name, value in batch_settings(args).items()))
     print(f"{'interactive phase':<18} {'n':>5} {'err':>4} {'TTFT p50 ms':>11} {'p90 ms':>8}")
-    for name, r in (("alone", alone), ("with batch", beside)):
+    for name, r in (("alone", alone), ("with batch", beside), ("alone again", again)):
         p50, p90 = (f"{1000 * r[k]:.0f}" if r[k] is not None else "-" for k in ("p50", "p90"))
         print(f"{name:<18} {r['n']:>5} {r['errors']:>4} {p50:>11} {p90:>8}")
         if r["first_error"]:
             print(f"  first error: {r['first_error']}")
-    if alone["p90"] and beside["p90"]:
-        print(f"interactive TTFT p90 with the batch / alone: {beside['p90'] / alone['p90']:.2f} (goal <= 1.2); "
-              f"p50: {beside['p50'] / alone['p50']:.2f}")
+    base = better(alone, again)
+    if base["p90"] and beside["p90"]:
+        print(f"interactive TTFT p90 with the batch / the better alone: {beside['p90'] / base['p90']:.2f} "
+              f"(goal <= 1.2); p50: {beside['p50'] / base['p50']:.2f}")
     print(f"batch lines/s beside interactive traffic: {pace['beside']:.2f}; alone: {pace['alone']:.2f}")
     counts = final.get("request_counts") or {}
     print(f"batch {final['status']}: {counts.get('completed')} completed, {counts.get('failed')} failed of "
@@ -171,7 +182,8 @@ def main() -> None:
             alone_s = time.monotonic() - alone_from
             pace = {"beside": (after - before) / beside_s, "alone": (done(final) - after) / max(alone_s, 1e-9),
                     "total_s": time.monotonic() - created}
-        report(alone, beside, pace, final, args)
+        again = asyncio.run(interactive(url, args))
+        report(alone, again, beside, pace, final, args)
     finally:
         stop(proc)
 
