@@ -157,6 +157,22 @@ def reconciled(app: ApplianceProcess) -> dict[tuple[str, str], float]:
     return {(dict(labels)["kind"], dict(labels)["side"]): value for labels, value in found.items()}
 
 
+def settled(app: ApplianceProcess, engine_names: dict[str, str], timeout: float = 60
+            ) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """The engine's counters and the gateway's reconciliation at a moment they agree: both unchanged over three of
+    the gateway's engine polls (routing.metrics_poll_seconds, 1 s), so its last poll read the engine after the last
+    token of the work before. Read at once after that work, the gateway's side may still lack its last second."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engine = {kind: engine_total(app, name) for kind, name in engine_names.items()}
+        gateway = reconciled(app)
+        time.sleep(3)
+        if engine == {kind: engine_total(app, name) for kind, name in engine_names.items()} and \
+                gateway == reconciled(app):
+            return engine, gateway
+        assert time.monotonic() < deadline, "the engine or the gateway's reading of it never settled"
+
+
 def leave_stream(app: ApplianceProcess, key: str, route: str, chunks: int) -> None:
     """A stream its client leaves after reading ``chunks`` content events (so the engine had started it)."""
     body: dict = {"model": "demo", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -179,8 +195,7 @@ def test_the_tenants_charges_reconcile_with_the_engines_counters(single):
     engine's own counters, and what the tenants were charged for that replica is within 2% of it, per kind."""
     app = single
     engine_names = {"prompt": "vllm:prompt_tokens_total", "completion": "vllm:generation_tokens_total"}
-    before_engine = {kind: engine_total(app, name) for kind, name in engine_names.items()}
-    before = reconciled(app)
+    before_engine, before = settled(app, engine_names)
     whole = [("key-a", "completions", True, False, 48), ("key-b", "chat", True, True, 40),
              ("key-a", "chat", False, False, 32), ("key-b", "completions", True, False, 56)]
     left = [("key-a", "completions", 3), ("key-b", "chat", 6), ("key-a", "chat", 2), ("key-b", "completions", 9)]
