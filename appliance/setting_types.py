@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
@@ -20,6 +21,15 @@ def blank_is_unset(value: Any) -> Any:
     """An empty or blank string means unset (None): compose passes an unset variable as "" (``APPLIANCE_MODEL=``,
     ``APPLIANCE_ADMIN_TOKEN_FILE=``), which as a path would be the current folder."""
     return None if isinstance(value, str) and not value.strip() else value
+
+
+def redacted_url(url: str) -> str:
+    """A server's URL as logs, status and errors show it: scheme, host, port and path; no user name or password,
+    no query (which may hold credentials)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 # A list of strings given as a YAML list or, in the environment, comma-separated (NoDecode: not parsed as JSON).

@@ -32,13 +32,13 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 
 from appliance.batch.model import PendingLine
 from appliance.batch.sql import Cursor, SQLBatchStore, newer_schema, pending, schema
 from appliance.batch.store import StoreUnavailable
+from appliance.setting_types import redacted_url
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +170,6 @@ class _Tx:
         with self._conn.cursor() as cursor:
             cursor.executemany(sql.replace("?", "%s"), rows)
 
-
-def redacted_url(url: str) -> str:
-    """The URL as logs and errors show it: scheme, host, port and database, no user name or password."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def _first_line(exc: BaseException) -> str:

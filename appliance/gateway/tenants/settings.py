@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.secret_files import read_keys_file, read_secret_file
-from appliance.setting_types import blank_is_unset
+from appliance.setting_types import blank_is_unset, redacted_url
 
 DEFAULT_TENANT = "default"  # the flat api_keys' tenant, and everyone's while the API is open (no keys at all)
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"  # a Prometheus label value an SRE can type; bounded length
@@ -163,7 +163,4 @@ class QuotaStoreSettings(BaseModel):
     @property
     def redacted_url(self) -> str:
         """The URL as logs show it (no user name)."""
-        parts = urlsplit(self.url)
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        return redacted_url(self.url)
