@@ -78,6 +78,7 @@ class SupervisedReplica:
     EXIT_POLL_SECONDS = 0.1  # how soon a dead engine leaves routing (a waitpid(WNOHANG) each time: cheap)
     ABORT_STEP_SECONDS = 1.0  # a hung start: from SIGABRT below the server to SIGABRT of the server
     ABORT_GRACE_SECONDS = 3.0  # a hung start: from the first SIGABRT (stacks into the log) to SIGKILL of the group
+    OWNERSHIP_RECHECK_SECONDS = 30.0  # OK probes after one that proved the port ours check it again this often
 
     def __init__(self, spec: ReplicaSpec, *, backoff_initial: float = 1.0, backoff_max: float = 60.0) -> None:
         self.spec = spec
@@ -243,6 +244,7 @@ class SupervisedReplica:
         assert self._proc is not None
         spawned = time.monotonic()
         failures = HealthFailures(self.status, self.spec.health_timeout_seconds + self.HEALTH_INTERVAL_SECONDS)
+        owned_at: float | None = None  # when this process's tree last proved the port its own, OK probes since
         while True:
             code = self._proc.poll()
             if code is not None:
@@ -251,7 +253,8 @@ class SupervisedReplica:
                 return code
             assert self._session is not None
             health = await probe_health(self._session, self.url, self.spec.health_timeout_seconds)
-            if health is Health.OK and not await self._answers_itself():
+            owned_at = await self._owns_port(owned_at) if health is Health.OK else None
+            if health is Health.OK and owned_at is None:
                 health = Health.FAILED
             counted = failures.record(health)
             state = self.status.state
@@ -311,6 +314,22 @@ class SupervisedReplica:
         deadline = time.monotonic() + seconds
         while self._proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(min(self.EXIT_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+    async def _owns_port(self, owned_at: float | None) -> float | None:
+        """After an OK probe: when this process's tree was last seen to hold the port (``owned_at`` when every probe
+        since that check was OK and it is less than OWNERSHIP_RECHECK_SECONDS old, else now, checked again), or None
+        when it does not hold it.
+
+        Health turning OK (a start, a failed or late probe before) is always checked. In between, a proof is trusted
+        for a while because the port cannot change hands unnoticed while the launcher lives: its server holds the
+        listening socket until it dies, and then the launcher kills the rest of its group and exits, which
+        ``poll()`` notices within EXIT_POLL_SECONDS (this loop ends with the process, and its proof with it). The
+        check is cheap (appliance.engine.ports), but it runs beside the gateway's event loop, every
+        HEALTH_INTERVAL_SECONDS per replica otherwise."""
+        now = time.monotonic()
+        if owned_at is not None and now - owned_at < self.OWNERSHIP_RECHECK_SECONDS:
+            return owned_at
+        return now if await self._answers_itself() else None
 
     async def _answers_itself(self) -> bool:
         """The 200 came from our own engine: its process tree listens on the port (see appliance.engine.ports)."""

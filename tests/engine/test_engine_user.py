@@ -65,29 +65,27 @@ def test_what_starting_engines_as_another_user_takes() -> None:
 
 
 def test_a_listener_of_the_engines_uid_counts_when_their_sockets_cannot_be_read(tmp_path, monkeypatch) -> None:
-    """An appliance without CAP_SYS_PTRACE cannot read another user's /proc/<pid>/fd: the socket table decides."""
+    """An appliance without CAP_SYS_PTRACE cannot read another user's /proc/<pid>/fd: the kernel's socket list
+    decides (here a /proc/net table written for the test)."""
     table = tmp_path / "tcp"
-    table.write_text("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout\n"
-                     "   0: 0100007F:1FA4 00000000:0000 0A 00000000:00000000 00:00000000 00000000 65534  0\n"
-                     "   1: 0100007F:1FA5 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000  0\n")
-    assert ports.listener_uids(0x1FA4, (table,)) == {65534}
-    assert ports.listener_uids(0x1FA5, (table,)) == set()  # established, not listening
-    monkeypatch.setattr(ports, "SOCKET_TABLES", (table,))
+    table.write_text("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout"
+                     " inode\n"
+                     "   0: 0100007F:1FA4 00000000:0000 0A 00000000:00000000 00:00000000 00000000 65534  0 4242 1 0\n"
+                     "   1: 0100007F:1FA5 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000  0 4243 1 0\n"
+                     "   2: 0100007F:9C40 0100007F:1FA4 01 00000000:00000000 00:00000000 00000000  1000  0 4244 1 0\n")
+    assert ports.table_listeners(0x1FA4, (table,)) == {4242: 65534}  # not the connection to it (line 2)
+    assert ports.table_listeners(0x1FA5, (table,)) == {}  # established, not listening
+    monkeypatch.setattr(ports, "listening_sockets", lambda port: ports.table_listeners(port, (table,)))
 
-    class Denied:
-        def __init__(self, pid: int) -> None:
-            self.pid = pid
+    def denied(pid: int, links: object) -> bool:
+        raise PermissionError(13, "Permission denied", f"/proc/{pid}/fd")
 
-        def children(self, recursive: bool = False) -> list[Denied]:
-            return []
-
-        def net_connections(self, kind: str) -> list[object]:
-            raise psutil.AccessDenied(self.pid)
-
-    monkeypatch.setattr(ports.psutil, "Process", Denied)
-    assert ports.tree_listens_on(1, 0x1FA4, owner_uid=65534)
-    assert not ports.tree_listens_on(1, 0x1FA4, owner_uid=1000)  # someone else's listener: not ours
-    assert not ports.tree_listens_on(1, 0x1FA4)  # the appliance's own user: its sockets are always readable
+    monkeypatch.setattr(ports, "holds_any", denied)
+    me = os.getpid()
+    assert ports.tree_listens_on(me, 0x1FA4, owner_uid=65534)
+    assert not ports.tree_listens_on(me, 0x1FA4, owner_uid=1000)  # someone else's listener: not ours
+    assert not ports.tree_listens_on(me, 0x1FA4)  # the appliance's own user: its sockets are always readable
+    assert not ports.tree_listens_on(me, 0x1FA5, owner_uid=1000)  # nothing listens there
 
 
 @needs_root

@@ -15,7 +15,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from appliance.engine import replica as replica_module
 from appliance.engine.contract import ReplicaState
+from appliance.engine.health import Health
 from appliance.engine.placement import Placement
 from appliance.engine.ports import tree_listens_on
 from appliance.engine.replica import ReplicaSpec, SupervisedReplica
@@ -121,6 +123,89 @@ def test_its_own_engine_on_the_port_makes_it_ready(tmp_path):
         assert tree_listens_on(replica.status.pid, port)  # via the launcher's child
         assert not tree_listens_on(replica.status.pid, free_port())
         await replica.stop()
+
+    run(scenario)
+
+
+class Probes:
+    """The supervisor's health probes of a real engine, counted, with failures on demand; and its ownership checks
+    (the real ones), counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.probes = self.checks = self.fail_next = 0
+        real_probe, real_check = replica_module.probe_health, replica_module.tree_listens_on
+
+        async def probe(*args: object, **kwargs: object) -> Health:
+            health = await real_probe(*args, **kwargs)
+            self.probes += 1
+            if self.fail_next:
+                self.fail_next -= 1
+                return Health.FAILED
+            return health
+
+        def check(*args: object, **kwargs: object) -> bool:
+            self.checks += 1
+            return real_check(*args, **kwargs)
+
+        monkeypatch.setattr(replica_module, "probe_health", probe)
+        monkeypatch.setattr(replica_module, "tree_listens_on", check)
+
+    async def more(self, count: int) -> None:
+        """Wait for ``count`` more probes."""
+        target = self.probes + count
+        await until(lambda: self.probes >= target)
+
+
+def test_ownership_is_proved_when_health_turns_ok_not_on_every_probe_while_ready(tmp_path, monkeypatch):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port))
+    replica.HEALTH_INTERVAL_SECONDS = 0.02
+    probes = Probes(monkeypatch)
+
+    async def scenario(session):
+        replica.start(session)
+        try:
+            await until(lambda: replica.status.state is ReplicaState.READY)
+            await probes.more(20)
+            assert probes.checks == 1  # proved once, when it turned OK; trusted on the next probes
+            probes.fail_next = 10**6
+            await until(lambda: replica.status.state is ReplicaState.UNHEALTHY)
+            probes.fail_next = 0
+            await until(lambda: replica.status.state is ReplicaState.READY)
+            await probes.more(10)
+            assert probes.checks == 2  # unhealthy -> OK: proved again
+            probes.fail_next = 1  # one failed probe: still ready, but the next OK proves it again
+            await probes.more(10)
+            assert replica.status.state is ReplicaState.READY and probes.checks == 3
+            replica.OWNERSHIP_RECHECK_SECONDS = 0.1
+            await until(lambda: probes.checks >= 6)  # and while it stays ready, every OWNERSHIP_RECHECK_SECONDS
+            assert probes.checks < probes.probes / 2
+        finally:
+            await replica.stop()
+
+    run(scenario)
+
+
+def test_a_recheck_that_finds_the_port_in_other_hands_takes_the_replica_out_of_routing(tmp_path, monkeypatch):
+    port = free_port()
+    replica = SupervisedReplica(spec(tmp_path, engine(port), port))
+    replica.HEALTH_INTERVAL_SECONDS = 0.02
+    replica.OWNERSHIP_RECHECK_SECONDS = 0.5
+    owned = True
+    monkeypatch.setattr(replica_module, "tree_listens_on", lambda *args, **kwargs: owned)
+
+    async def scenario(session):
+        nonlocal owned
+        replica.start(session)
+        try:
+            await until(lambda: replica.status.state is ReplicaState.READY)
+            owned = False  # what a check would find if the socket were no longer the tree's
+            await until(lambda: replica.status.state is ReplicaState.UNHEALTHY, 10)
+            assert "not from this replica's processes" in (replica.status.last_error or "")
+            owned = True
+            await until(lambda: replica.status.state is ReplicaState.READY, 10)
+        finally:
+            await replica.stop()
 
     run(scenario)
 
