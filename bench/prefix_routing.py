@@ -9,7 +9,8 @@ and the routing cost.
 ``--num-gpu-blocks-override`` to hold about two thirds of all conversations' prefixes, KV-cache events published
 as the appliance's own engines publish them with ``engine.kv_events: local``). Then, for each scenario and each
 policy in turn, ``appliance serve`` gateways in front of them (engine_urls, admission off so every request is
-routed at once), the engines' prefix caches emptied (``/reset_prefix_cache``, dev mode), and the same workload:
+routed at once), the engines' prefix caches emptied (``/reset_prefix_cache``, dev mode, and a request of a few
+tokens to each engine so that it publishes the reset to the gateways' event indexes), and the same workload:
 many conversations, each with its own long prefix (most of max_model_len) plus short new turns, played in rounds
 (a round: every conversation's next turn, shuffled; round 0 can hit nothing, each prefix is new) from a fixed
 number of concurrent clients. Policies (``POLICIES``): ``today`` load only (prefix weight 0), ``prefix`` the
@@ -463,16 +464,31 @@ async def replica_state(session: aiohttp.ClientSession, gateway: str, replica: s
     raise TimeoutError(f"{replica} never became {state}")
 
 
+async def publish_reset(session: aiohttp.ClientSession, engines: list[str]) -> None:
+    """Make each engine publish the AllBlocksCleared its /reset_prefix_cache queued: vLLM publishes KV events from
+    its scheduler's steps, so until the engine's next request a subscribed gateway's index still lists what the
+    engine held before the reset (the previous policy's run of the same prompts), and a round's first requests were
+    routed on it. One request of a few tokens, straight to the engine: it stores no full block."""
+    for url in engines:
+        body = {"model": "demo", "prompt": "reset", "max_tokens": 1}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, f"publishing the reset: HTTP {resp.status}"
+
+
 async def indexes_usable(session: aiohttp.ClientSession, gateway: str, replicas: int, timeout: float
                          ) -> float | None:
-    """Wait until the gateway routes on every replica's event index; the seconds it took (None: not in time)."""
+    """Wait until the gateway routes on every replica's event index and each index is empty (the engines' reset
+    applied); the seconds it took (None: not in time)."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         async with session.get(f"{gateway}/metrics") as resp:
             page = await resp.text()
-        usable = [line for line in page.splitlines()
+        lines = page.splitlines()
+        usable = [line for line in lines
                   if line.startswith("appliance_routing_kv_index_usable{") and line.endswith(" 1.0")]
-        if len(usable) >= replicas:
+        held = [line for line in lines
+                if line.startswith("appliance_routing_kv_index_blocks{") and not line.endswith(" 0.0")]
+        if len(usable) >= replicas and not held:
             return round(time.monotonic() - started, 1)
         await asyncio.sleep(0.5)
     return None
@@ -527,6 +543,7 @@ class Bench:
         for url in self.urls:
             async with self.session.post(f"{url}/reset_prefix_cache") as resp:
                 assert resp.status == 200, f"reset_prefix_cache: HTTP {resp.status}"
+        await publish_reset(self.session, self.urls)
         setup: dict = {}
         if "APPLIANCE_ROUTING__PREFIX_CACHE__MODE" in POLICIES[policy]:
             setup["index_usable_after_s"] = [await indexes_usable(self.session, url, len(self.urls), 30)

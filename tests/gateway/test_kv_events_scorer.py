@@ -38,10 +38,11 @@ class Fleet:
         self.scorer = scorer
         self.registry.register(KvEventsCollector(self.hub, scorer, None, clock=self.clock))
 
-    def engine_holds(self, name: str, blocks: int, *, trusted: bool = True) -> ReplicaIndex:
-        """``name``'s engine reports the prompt's first ``blocks`` blocks stored."""
+    def engine_holds(self, name: str, blocks: int, *, trusted: bool = True, ids: list[int] = PROMPT_IDS
+                     ) -> ReplicaIndex:
+        """``name``'s engine reports the prompt's (``ids``) first ``blocks`` blocks stored."""
         index = self.hub.indexes.setdefault(name, ReplicaIndex(10_000))
-        keys = PromptTokens(PROMPT_IDS).keys(HASHER, 16)[:blocks]
+        keys = PromptTokens(ids).keys(HASHER, 16)[:blocks]
         index.apply(BlockStored(block_hashes=list(keys), parent_block_hash=None, token_ids=[], block_size=16))
         index.trusted_from = self.clock.now if trusted else None
         return index
@@ -64,9 +65,42 @@ def test_a_repeat_goes_where_the_engine_holds_the_prompt():
     name, request = fleet.route()
     assert name == "replica-1"
     assert request.decision is not None and request.decision.decided_by == "prefix"
-    assert request.decision.prefix_match == 6 * 16 / 100  # the share of the prompt's tokens held
+    assert request.decision.prefix_match == 1.0  # it holds all the prompt's blocks
     assert fleet.scorer.sources["precise"] == 1
     assert fleet.metric("appliance_routing_prefix_source_total", source="precise") == 1.0
+
+
+def test_the_score_counts_the_blocks_an_earlier_prompt_could_have_left():
+    """Of the 6 full blocks before a 100-token prompt's last token, the last is the one a new turn completes: no
+    engine holds it yet, so 5 held blocks score 1.0, 3 score 3/5."""
+    fleet = Fleet(n=3)
+    fleet.engine_holds("replica-0", 3)
+    fleet.engine_holds("replica-1", 5)
+    fleet.engine_holds("replica-2", 0)
+    request = RoutingRequest(TEXT, tokens=PromptTokens(list(PROMPT_IDS)))
+    assert fleet.scorer.ratios(fleet.replicas, request) == [0.6, 1.0, 0.0]
+    fleet.engine_holds("replica-1", 6)  # all of them (the same prompt again): no more than 1.0
+    assert fleet.scorer.ratios(fleet.replicas, request)[1] == 1.0
+    one = list(range(3000, 3016))  # a single block: the engine computes its last token, nothing can be a hit
+    fleet.engine_holds("replica-0", 1, ids=one)
+    assert fleet.scorer.ratios(fleet.replicas, RoutingRequest(TEXT, tokens=PromptTokens(one)))[0] == 0.0
+
+
+def test_a_conversation_held_whole_outweighs_the_widest_spread_of_requests_in_flight():
+    """A conversation's next turn (111 tokens: 6 full blocks, the 6th new) stays where the engine holds the 5 blocks
+    its earlier turns left, with all 7 other requests in flight there and none at its peer: the outstanding scorer
+    then differs by 7/8, more than the share of the prompt's tokens it holds (80/111), which would send it to
+    where it misses."""
+    fleet = Fleet()
+    ids = list(range(2000, 2111))
+    fleet.engine_holds("replica-0", 5, ids=ids)
+    fleet.engine_holds("replica-1", 0)
+    fleet.router.outstanding.update({"replica-0": 7})
+    request = RoutingRequest(TEXT, tokens=PromptTokens(ids))
+    replica = fleet.router.try_acquire(request=request)
+    assert replica is not None and replica.name == "replica-0"
+    assert request.decision is not None and request.decision.decided_by == "prefix"
+    assert request.decision.prefix_match == 1.0
 
 
 def test_the_longest_held_prefix_counts_not_any_held_block():

@@ -5,7 +5,8 @@ It takes the approximate scorer's place (same name, ``prefix``, same weight and 
 approximate index fed, so that falling back costs nothing. Per candidate:
 
 - the replica's event index is current (``KvEventsHub.usable``) and the prompt was tokenized: the longest prefix of
-  the prompt's blocks the index holds, in tokens, over the prompt's tokens (``precise``);
+  the prompt's blocks the index holds, over the blocks an earlier prompt could have left there (``precise``): 1.0
+  when it holds all of them (``_held_share``);
 - otherwise, in precise-with-fallback, the approximate share (``approximate``); in precise, 0 (no affinity: a
   replica whose cache is unknown is not preferred, and a stale index is never read).
 
@@ -84,8 +85,21 @@ class PreciseScorer(PrefixScorer):
 
 
 def _held_share(index: ReplicaIndex, prompt: PromptTokens, hasher: BlockHasher) -> float:
-    """The share of the prompt's tokens in the longest prefix of its blocks the engine holds."""
+    """The longest prefix of the prompt's blocks the engine holds, over the blocks an earlier prompt could have
+    left in a cache, at most 1.0: the full blocks before the prompt's last token (the engine computes that token
+    whatever it holds), less the last of them: in a conversation's next turn, the block its new text completes,
+    which no engine holds yet (engines cache full blocks only, and the turn before ended inside it). So a replica
+    that holds all the conversation's earlier turns left scores 1.0, as the approximate scorer's share of the
+    characters it sent there nearly does (~0.96).
+
+    Why not the share of the prompt's tokens: with 128-token blocks (vLLM's CPU backend) such a replica held only
+    5 of a ~780-token prompt's 6 reusable blocks (0.80 to 0.85 of its tokens), less than the outstanding scorer's
+    spread between a replica with all 7 other requests in flight and an idle one (0.875), and load moved whole
+    conversations to where they missed (bench/prefix_routing.py, steady state, per-request records)."""
     size = index.block_size
     if size is None or not prompt.ids:
         return 0.0  # no block stored yet: nothing held
-    return index.matched(prompt.keys(hasher, size)) * size / len(prompt.ids)
+    reusable = (len(prompt.ids) - 1) // size
+    if reusable <= 0:
+        return 0.0  # shorter than a block and a token: nothing of it can be a hit
+    return min(index.matched(prompt.keys(hasher, size)) / max(reusable - 1, 1), 1.0)
