@@ -53,7 +53,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                           else 0, queue_timeout_seconds=settings.admission.queue_timeout_seconds,
                           drift_seconds=settings.admission.slot_drift_seconds,
                           fair_share=settings.admission.fair_share,
-                          share_window_seconds=settings.admission.share_window_seconds)
+                          share_window_seconds=settings.admission.share_window_seconds,
+                          over_share_prefills=settings.admission.over_share_prefills)
     slo = settings.gateway.slo_ttft_p95_seconds
     request_metrics = RequestMetrics(registry, slo_ttft_seconds=slo)
     tenants = TenantDirectory(settings.tenants, settings.gateway.api_keys)

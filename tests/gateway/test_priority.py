@@ -22,7 +22,7 @@ from tests.doubles import FakeReplica
 from tests.fake_engine import Failure, FakeEngine
 from tests.gateway.live import LiveGateway, wait_until
 from tests.gateway.test_fair_share import make
-from tests.gateway.upstream.support import begin, chain, exchange
+from tests.gateway.upstream.support import begin, block, chain, exchange
 
 TENANTS = [{"name": "interactive", "api_keys": ["key-i"], "priority": 9},
            {"name": "batch", "api_keys": ["key-b"]}]
@@ -88,6 +88,46 @@ def test_each_attempt_gets_the_priority_of_the_replica_that_took_it():
     begin(ex, "replica-1", "retry")
     assert json.loads(ex.body)["priority"] == 0
     assert hooks is ex.hooks
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stream_is_in_prefill_until_its_first_event_and_a_whole_answer_never_counts(stream):
+    async def scenario() -> None:
+        admission = make(limit=4, prefills=1)
+        ex = exchange({"prompt": "hi", "stream": stream})
+        chain(ex, EnginePriority(admission, lambda _replica: "fcfs").start(ex))
+        ex.begin(await admission.acquire(tenant=ex.tenant), 0.0, "first")
+        assert admission.tenant_prefilling("team-a") == (1 if stream else 0)
+        ex.hooks.relayed(block(b""))  # a read with no whole event yet
+        assert admission.tenant_prefilling("team-a") == (1 if stream else 0)
+        ex.hooks.relayed(block(b'data: {"choices": []}\n\n'))
+        assert admission.tenant_prefilling("team-a") == 0 and admission.tenant_in_flight("team-a") == 1
+        ex.settle(Outcome.SUCCESS)
+        assert admission.tenant_in_flight("team-a") == 0
+
+    asyncio.run(scenario())
+
+
+def test_through_the_gateway_a_stream_leaves_prefill_at_its_first_event_and_the_count_returns_to_zero():
+    engine = FakeEngine(first_token_delay=0.5, token_delay=0.3).start()
+    try:
+        live, _ = app([engine], admission={"over_share_prefills": 1})
+        with live:
+            admission = context_of(live.app).gateway.admission
+            body = {"model": "demo", "prompt": "hello", "max_tokens": 3, "stream": True}
+            with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30,
+                              headers={"authorization": "Bearer key-i"}) as response:
+                assert wait_until(lambda: admission.tenant_in_flight("interactive") == 1, timeout=10)
+                assert admission.tenant_prefilling("interactive") == 1  # the engine has not answered yet
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                assert admission.tenant_prefilling("interactive") == 0  # its first event: out of prefill
+                assert admission.tenant_in_flight("interactive") == 1  # still streaming
+                list(lines)
+            assert wait_until(lambda: admission.tenant_in_flight("interactive") == 0, timeout=10)
+            assert admission.tenant_prefilling("interactive") == 0
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("tenant_priority", [0, 9])

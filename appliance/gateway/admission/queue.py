@@ -54,12 +54,19 @@ class Admission:
     replica a tenant holds at most its weighted max-min share of it. A new request is served through the same
     queue, so it never takes capacity a waiter ahead of it in that order could take. ``fair_share=False``
     (``admission.fair_share``): one FIFO queue, no bound.
+
+    ``over_share_prefills`` (``admission.over_share_prefills``): a tenant that wants more of a replica, by weight,
+    than another tenant that wants it may have at most this many requests in prefill there (leased, no first token
+    yet: ``prefill_bound``). The share bounds how many requests a tenant holds, not what they cost each engine step:
+    a flood whose clients leave at the first token holds its whole share in prefill, and every prefill shares the
+    engine's steps with the other tenants' (vLLM's priority orders only its waiting queue, which such a flood never
+    fills). None: no such cap.
     """
 
     def __init__(self, router: Router, limits: ConcurrencyLimits, *, max_queue: int,
                  queue_timeout_seconds: float, drift_seconds: float = 30.0, fair_share: bool = True,
                  share_window_seconds: float = 2.0, idle_headroom: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 over_share_prefills: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """``idle_headroom``: the share of each replica's limit background work (``acquire_idle``) leaves free."""
         self.router = router
         self.limits = limits
@@ -68,6 +75,7 @@ class Admission:
         self.fair_share = fair_share
         self.share_window_seconds = share_window_seconds
         self.idle_headroom = idle_headroom
+        self.over_share_prefills = over_share_prefills
         # Called when a request has to wait in the queue: background work gives its slots back (appliance.batch).
         self.on_wait: Callable[[], None] | None = None
         # Called when a request arrives (not background work): batch work holds back its next lines (appliance.batch).
@@ -76,6 +84,7 @@ class Admission:
         self._queues: dict[str, deque[_Waiter]] = {}  # per tenant, oldest first
         self._seq = itertools.count()
         self._held: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> leases held
+        self._prefilling: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> held, no first token
         self._recent: dict[tuple[str, str], tuple[int, float]] = {}  # (tenant, replica) -> (peak held, last held at)
         self._tenants: dict[str, Tenant] = {}  # the latest word on each tenant's priority and weight
         self._revoked: set[str] = set()  # tenants a reload removed: their requests are refused, not queued
@@ -101,6 +110,13 @@ class Admission:
             return 0
         return held[replica] if replica is not None else sum(held.values())
 
+    def tenant_prefilling(self, name: str, replica: str | None = None) -> int:
+        """Leases tenant ``name`` holds whose first token has not come back yet (at one replica, or at all)."""
+        prefilling = self._prefilling.get(name)
+        if prefilling is None:
+            return 0
+        return prefilling[replica] if replica is not None else sum(prefilling.values())
+
     def limit_of(self, name: str) -> int:
         return self.limits.limit_of(name)
 
@@ -122,6 +138,24 @@ class Admission:
         peers = [self.virtual.of(name) for name, level in self._active_priorities().items()
                  if level == tenant.priority and name != tenant.name]
         return bool(peers) and self.virtual.of(tenant.name) - DISPATCH_COST / tenant.weight > min(peers) + 1e-9
+
+    def prefill_bound(self, tenant: Tenant, replica: str) -> int | None:
+        """How many requests ``tenant`` may have in prefill at ``replica`` now: ``over_share_prefills`` while it wants
+        more of the replica by weight (requests held there and queued) than another tenant that wants it; else None
+        (no bound but its share). Heaviest, not over its max-min share: a flood arriving one request at a time is
+        served while the replica has room, within its share all along, and its prefills are what others wait on."""
+        if self.over_share_prefills is None or not self.fair_share:
+            return None
+        queued = self._queued()
+        return self._prefill_bound(tenant, replica, queued, self._rivals(tenant.name, replica, queued))
+
+    def _prefill_bound(self, tenant: Tenant, replica: str, queued: dict[str, int],
+                       rivals: dict[str, tuple[float, float]]) -> int | None:
+        current = self._tenant(tenant.name)
+        demand = (self.tenant_in_flight(tenant.name, replica) + queued.get(tenant.name, 0)) / current.weight
+        if self.over_share_prefills is None or not any(demand > want / weight for weight, want in rivals.values()):
+            return None
+        return self.over_share_prefills
 
     def _queued(self) -> dict[str, int]:
         return {name: self.tenant_queued(name) for name in self._queues}
@@ -254,12 +288,34 @@ class Admission:
         name = tenant.name
         self.ledger.taken(replica)
         self._held[name][replica.name] += 1
+        self._prefilling[name][replica.name] += 1
         self._note_level(name, replica.name, self._held[name][replica.name])
+        prefill = [True]  # until its first token or its release, whichever comes first
+
+        def first_token() -> None:
+            if prefill[0]:
+                prefill[0] = False
+                self._prefilled(name, replica.name)
 
         def given_back(replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
+            if prefill[0]:
+                prefill[0] = False
+                self._prefilled(name, replica.name, dispatch=False)
             self._given_back(replica, outcome, ttft_seconds, name)
 
-        return Lease(replica, given_back, self.ledger.on_reclaimed)
+        return Lease(replica, given_back, self.ledger.on_reclaimed, first_token)
+
+    def _prefilled(self, tenant: str, replica: str, *, dispatch: bool = True) -> None:
+        """A lease of ``tenant`` at ``replica`` left prefill (its first token came, or it was released): a waiter
+        held back by ``over_share_prefills`` may go (``dispatch``; a release moves the queue itself)."""
+        prefilling = self._prefilling[tenant]
+        prefilling[replica] -= 1
+        if prefilling[replica] <= 0:
+            del prefilling[replica]
+            if not prefilling:
+                del self._prefilling[tenant]
+        if dispatch and self.over_share_prefills is not None:
+            self.dispatch()
 
     def _given_back(self, replica: Replica, outcome: Outcome, ttft_seconds: float | None, tenant: str) -> None:
         """A lease was released (once): the slot returns, the replica is judged, the queue moves."""
@@ -343,13 +399,17 @@ class Admission:
                 del self._queues[name]
 
     def _at_share(self, tenant: Tenant, replica: str, queued: dict[str, int]) -> bool:
-        """``tenant`` holds its share of ``replica`` while others want it (alone, only the replica's limit counts)."""
+        """``tenant`` holds its share of ``replica`` while others want it (alone, only the replica's limit counts),
+        or has as many requests in prefill there as its ``prefill_bound``."""
         rivals = self._rivals(tenant.name, replica, queued)
         if not rivals:
             return False
         current = self._tenant(tenant.name)
         bound = share_bound(self.limit_of(replica), current.name, current.weight, rivals)
-        return self.tenant_in_flight(tenant.name, replica) >= bound
+        if self.tenant_in_flight(tenant.name, replica) >= bound:
+            return True
+        cap = self._prefill_bound(tenant, replica, queued, rivals)
+        return cap is not None and self.tenant_prefilling(tenant.name, replica) >= cap
 
     def _tenant(self, name: str) -> Tenant:
         return self._tenants.get(name) or Tenant(name)

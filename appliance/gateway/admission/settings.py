@@ -40,3 +40,9 @@ class AdmissionSettings(BaseModel):
         "client between two requests finds its room still free instead of behind a flood (capacity held idle at "
         "most this long after a tenant leaves). 0: a share lasts only while requests are held or queued."
     )
+    over_share_prefills: int | None = Field(
+        None, ge=1, description="A tenant that wants more of a replica (requests held there and queued, by "
+        "weight) than another tenant that wants it may have at most this many streams there still in prefill (no "
+        "first token yet): a flood whose clients leave at the first token keeps its whole share in prefill, and "
+        "every prefill shares the engine's steps with the other tenants' requests. Unset: no cap beyond the share."
+    )

@@ -41,15 +41,28 @@ class _Held:
 
 
 class Lease:
-    """One request's hold on one slot of ``replica``. ``release`` gives it back once; later calls do nothing."""
+    """One request's hold on one slot of ``replica``. ``release`` gives it back once; later calls do nothing.
+    ``first_token`` says, once, that the engine's first token came back (the request left its prefill): admission
+    counts a tenant's requests still in prefill at a replica (``admission.over_share_prefills``)."""
 
-    __slots__ = ("replica", "_held", "_release", "_finalizer", "__weakref__")
+    __slots__ = ("replica", "_held", "_release", "_on_first_token", "_finalizer", "__weakref__")
 
-    def __init__(self, replica: Replica, release: ReleaseFn, on_reclaimed: Callable[[Replica], None]) -> None:
+    def __init__(self, replica: Replica, release: ReleaseFn, on_reclaimed: Callable[[Replica], None],
+                 on_first_token: Callable[[], None] | None = None) -> None:
         self.replica = replica
         self._held = _Held()
         self._release = release
+        self._on_first_token = on_first_token
         self._finalizer = weakref.finalize(self, _reclaim, self._held, replica, release, on_reclaimed)
+
+    def first_token(self) -> bool:
+        """The engine's first token for this request came back: said once, and only while the lease is held;
+        False otherwise."""
+        notify, self._on_first_token = self._on_first_token, None
+        if notify is None or self._held.released:
+            return False
+        notify()
+        return True
 
     @property
     def released(self) -> bool:

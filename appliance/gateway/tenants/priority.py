@@ -20,6 +20,11 @@ priority: vLLM versions differ on a priority they do not use (0.32 ignores it, e
 and the gateway's own fair share, which always applies, is then the only one. A client never sets its own: a
 ``priority`` in its body is replaced by the gateway's, or by 0 where the engine does not schedule by it (and
 vLLM's ``X-Vllm-Priority`` header is not forwarded, as no client header is but the content type and request id).
+
+The same hook tells admission when each attempt's first token comes back (``Lease.first_token``): the engine's
+other scheduling lever the gateway holds is how many of an over-share tenant's requests are in prefill at once
+(``admission.over_share_prefills``), since priority orders only requests that wait inside the engine. A
+non-streaming answer shows no first token: it is not counted as in prefill at all.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from appliance.engine.load import EngineLoad
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.upstream.exchange import Exchange
-from appliance.gateway.upstream.hook import Attempt, RequestHook
+from appliance.gateway.upstream.hook import Attempt, Block, RequestHook
 
 FIELD = "priority"
 PRIORITY = "priority"  # the policy that reads the field
@@ -74,18 +79,30 @@ class EnginePriority:
 class PrioritizedRequest(RequestHook):
     """One request's engine priority, set again for every replica that takes it."""
 
-    __slots__ = ("hook", "exchange", "written")
+    __slots__ = ("hook", "exchange", "written", "prefilling")
 
     def __init__(self, hook: EnginePriority, exchange: Exchange, written: bool) -> None:
         self.hook = hook
         self.exchange = exchange
         self.written = written  # the body holds a priority (the client's, or one the gateway wrote)
+        self.prefilling = False  # the current attempt's lease awaits its first token
 
     def admitted(self, attempt: Attempt) -> None:
         hook, exchange = self.hook, self.exchange
+        self.prefilling = exchange.stream
+        if not exchange.stream and exchange.lease is not None:
+            exchange.lease.first_token()
         if hook.policy_of(attempt.replica) == PRIORITY:
             over = not exchange.background and hook.admission.over_share(exchange.tenant)
             exchange.override(FIELD, engine_priority(exchange.tenant, over, exchange.background))
             self.written = True
         elif self.written:
             self.exchange.override(FIELD, 0)  # vLLM's default: no priority where the engine does not use it
+
+    def relayed(self, block: Block) -> None:
+        """The attempt's first event is its first token: its lease leaves prefill."""
+        if self.prefilling and block.events:
+            self.prefilling = False
+            lease = self.exchange.lease
+            if lease is not None:
+                lease.first_token()
