@@ -45,8 +45,9 @@ from typing import Protocol
 from appliance.engine.contract import Replica
 from appliance.gateway.breaker.circuit import Breaker
 from appliance.gateway.breaker.shape import shape_of
+from appliance.gateway.decisions import RoutingState
 from appliance.gateway.migration.ledger import IDLE_TIMEOUT
-from appliance.gateway.routing.router import Outcome, Router
+from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.failures import ENGINE_ERROR_REASON, error_answer, error_event, failure_outcome
 from appliance.gateway.upstream.hook import Attempt, Block, Break, End, RequestHook, Resolution, StreamBreak
@@ -72,7 +73,7 @@ class ShapeBreaker:
 
     name = "breaker"
 
-    def __init__(self, breaker: Breaker | None, router: Router, *, long_prefill: bool,
+    def __init__(self, breaker: Breaker | None, router: RoutingState, *, long_prefill: bool,
                  health_timeout_seconds: float, idle_timeout_seconds: float | None) -> None:
         self.breaker = breaker
         self.router = router

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
+from appliance.gateway.decisions import RecordSink
 from appliance.gateway.observation.records import (
     AttemptRecord,
     MigrationRecord,
     RequestRecord,
-    RequestRecords,
     record_id,
 )
 from appliance.gateway.upstream.exchange import Exchange
@@ -29,7 +29,7 @@ class Recording:
 
     name = "record"
 
-    def __init__(self, records: RequestRecords) -> None:
+    def __init__(self, records: RecordSink) -> None:
         self.records = records
 
     def start(self, exchange: Exchange) -> RecordedRequest | None:
@@ -46,7 +46,7 @@ class RecordedRequest(RequestHook):
 
     __slots__ = ("records", "exchange", "record", "first")
 
-    def __init__(self, records: RequestRecords, exchange: Exchange, record: RequestRecord) -> None:
+    def __init__(self, records: RecordSink, exchange: Exchange, record: RequestRecord) -> None:
         self.records = records
         self.exchange = exchange
         self.record = record

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from appliance.gateway.admission.queue import Admission
+from appliance.gateway.decisions import AdmissionState, ChargeLedger, Held, QuotaStore
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.cost import request_cost
 from appliance.gateway.tenants.fingerprint import EngineKey, Fingerprint, Fingerprints, engine_key
-from appliance.gateway.tenants.quota import Cost, Quotas, Refusal, Reservation
-from appliance.gateway.tenants.quota_store import SharedQuotas, SharedReservation, StoreUnavailable, limits_of
+from appliance.gateway.tenants.quota import Cost, Quotas, Refusal
+from appliance.gateway.tenants.quota_store import StoreUnavailable, limits_of
 from appliance.gateway.tenants.reconcile import Reconciliation
 from appliance.gateway.tenants.usage import (
     FINAL_USAGE,
@@ -64,10 +64,11 @@ class Metering:
 
     name = "metering"
 
-    def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: Admission,
-                 max_model_len: int | None = None, reconciliation: Reconciliation | None = None,
-                 shared: SharedQuotas | None = None) -> None:
-        """``shared``: the quota store shared by several gateways (None: ``quotas``, this process's buckets)."""
+    def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: AdmissionState,
+                 max_model_len: int | None = None, reconciliation: ChargeLedger | None = None,
+                 shared: QuotaStore | None = None) -> None:
+        """``shared``: quota buckets outside this process, the store shared by several gateways or a worker's
+        decider (None: ``quotas``, this process's buckets)."""
         self.accounting = accounting
         self.quotas = quotas
         self.shared = shared
@@ -99,12 +100,12 @@ def tail_tokens(running: RunningUsage, closed_at: float, room: int) -> int:
     return max(0, min(room, round(rate * gap)))
 
 
-def _give_back(reserving: asyncio.Future[SharedReservation | Refusal | None]) -> None:
+def _give_back(reserving: asyncio.Future[Held | Refusal | None]) -> None:
     """A reservation taken for a request that is gone: refunded (a refusal or a failure took nothing)."""
     if reserving.cancelled() or reserving.exception() is not None:
         return
     held = reserving.result()
-    if isinstance(held, SharedReservation):
+    if held is not None and not isinstance(held, Refusal):
         held.refund()
 
 
@@ -121,7 +122,7 @@ class MeteredRequest(RequestHook):
         self.plan = plan  # the usage the gateway asked the engine for and the client did not (streams)
         self.hidden = HiddenUsage() if plan is not None and plan.hide_final else None
         self.engine: EngineKey | None = None  # the engine of the current leg
-        self.reservation: Reservation | SharedReservation | None = None
+        self.reservation: Held | None = None
         self.running: RunningUsage | None = RunningUsage(cost.requests) if exchange.stream else None
         self.legs = Usage()  # running usage of legs that ended without a final report
         self.first: float | None = None  # when the first event was relayed
@@ -142,7 +143,7 @@ class MeteredRequest(RequestHook):
             return None
         return self._reserve_shared(shared)
 
-    async def _reserve_shared(self, shared: SharedQuotas) -> None:
+    async def _reserve_shared(self, shared: QuotaStore) -> None:
         """The shared store's answer; when it has none, the direction the operator chose: admitted unchecked
         (open) or refused 503 (closed), counted either way. A request cancelled while the store answers (the
         gateway shutting down) gives back whatever the store took for it once the answer comes."""
@@ -154,17 +155,17 @@ class MeteredRequest(RequestHook):
             raise
         except StoreUnavailable as exc:
             if shared.fails_open:
-                shared.unchecked.labels("open").inc()
+                shared.count_unchecked("open")
                 if exc.unsent:  # the store took nothing: what the request uses is charged at its end
                     self.reservation = shared.admit_unchecked(self.exchange.tenant, self.cost)
                 return
-            shared.unchecked.labels("closed").inc()
+            shared.count_unchecked("closed")
             raise APIError(503, "the quota store is unreachable, so this request's quota cannot be checked; retry "
-                           f"in {shared.settings.retry_after_seconds} s", code="quota_store_unavailable",
-                           headers={"Retry-After": str(shared.settings.retry_after_seconds)}) from None
+                           f"in {shared.retry_after_seconds} s", code="quota_store_unavailable",
+                           headers={"Retry-After": str(shared.retry_after_seconds)}) from None
         self._hold(held)
 
-    def _hold(self, held: Reservation | SharedReservation | Refusal | None) -> None:
+    def _hold(self, held: Held | Refusal | None) -> None:
         """The reservation kept, or the refusal raised: 400 when it can never fit, else 429 with Retry-After."""
         tenant = self.exchange.tenant
         if not isinstance(held, Refusal):

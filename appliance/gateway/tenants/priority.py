@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from appliance.engine.load import EngineLoad
-from appliance.gateway.admission.queue import Admission
+from appliance.gateway.decisions import AdmissionState
 from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.upstream.exchange import Exchange
 from appliance.gateway.upstream.hook import Attempt, Block, RequestHook
@@ -65,7 +65,7 @@ class EnginePriority:
 
     name = "engine_priority"
 
-    def __init__(self, admission: Admission, policy_of: Callable[[str], str | None]) -> None:
+    def __init__(self, admission: AdmissionState, policy_of: Callable[[str], str | None]) -> None:
         self.admission = admission
         self.policy_of = policy_of  # replica name -> the scheduling policy its engine reported (None: unknown)
 

@@ -217,6 +217,13 @@ class SharedQuotas:
     def fails_open(self) -> bool:
         return self.settings.failure == "open"
 
+    @property
+    def retry_after_seconds(self) -> int:
+        return self.settings.retry_after_seconds
+
+    def count_unchecked(self, direction: str) -> None:
+        self.unchecked.labels(direction).inc()
+
     def key(self, tenant: str) -> str:
         return f"{self.settings.key_prefix}:{tenant}"
 

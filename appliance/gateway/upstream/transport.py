@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from appliance.engine.contract import Replica, ReplicaState
-from appliance.gateway.admission.queue import Admission
 from appliance.gateway.admission.slots import Lease
+from appliance.gateway.decisions import AdmissionState
 from appliance.gateway.migration import ledger as migration
 from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome
@@ -59,7 +59,7 @@ CONTINUATION_RETRY_SECONDS = 0.1  # how often a request waiting between two repl
 class Upstream:
     """One pooled HTTP client for all replicas: admission, the retry rule and the relay, with the hooks around."""
 
-    def __init__(self, admission: Admission, hooks: Sequence[Hook], *, timeout_seconds: float,
+    def __init__(self, admission: AdmissionState, hooks: Sequence[Hook], *, timeout_seconds: float,
                  idle_timeout_seconds: float | None = None, connect_timeout_seconds: float = 5.0,
                  max_attempts: int = 2, engine_headers: Mapping[str, str] | None = None) -> None:
         """``engine_headers``: sent to the engines on every request, after the hooks' (the engine key's
