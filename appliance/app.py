@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import APIRouter, FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -32,6 +33,7 @@ from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
 from appliance.gateway.intake.limits import BodyBudget, RequestIntake
 from appliance.gateway.tenants.directory import TenantDirectory, present
+from appliance.gateway.tenants.settings import TenantSettings
 from appliance.http.auth import api_docs_urls
 from appliance.http.credentials import API_KEYS, Credentials, Keyring
 from appliance.http.errors import APIError, install_error_handlers
@@ -112,17 +114,7 @@ def create_app(
     live = LiveState(settings, keyring=keyring)
     batch = build_batch(settings, gateway, registry, draining=lambda: live.draining)
 
-    def apply_hot(new: Settings) -> None:
-        """``appliance reload`` of tenants, keys and tokens, at once: the gateway's directory, quotas and
-        accounting, and the keyring the credential checks read. A replaced secret stays valid for
-        ``gateway.secret_overlap_seconds``; a removed tenant's keys do not."""
-        overlap = new.gateway.secret_overlap_seconds
-        keep = rotated_not_revoked(keyring.current(), gateway.tenants, new)
-        gateway.update_tenants(new.tenants, new.gateway.api_keys, overlap_seconds=overlap)
-        keyring.rotate(new.credentials, overlap, keep)
-        live.settings = live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS})
-
-    maintenance.reloader.hot = apply_hot
+    maintenance.reloader.hot = hot_reload(gateway, keyring, live)
     body_budget = BodyBudget(settings.intake.body_budget_bytes)
     app.state.context = AppContext(
         live=live, gateway=gateway, fleet=fleet, replicas=replicas, registry=registry, maintenance=maintenance,
@@ -138,6 +130,29 @@ def create_app(
                   status.router):
         app.include_router(route)
     return app
+
+
+class TenantsOwner(Protocol):
+    """Whoever keeps a tenant directory that a reload updates (the gateway, or a worker's request path)."""
+
+    @property
+    def tenants(self) -> TenantDirectory: ...
+
+    def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
+                       overlap_seconds: float = 0.0) -> list[str]: ...
+
+
+def hot_reload(gateway: TenantsOwner, keyring: Keyring, live: LiveState) -> Callable[[Settings], None]:
+    """``appliance reload`` of tenants, keys and tokens, at once: the gateway's directory, quotas and accounting,
+    and the keyring the credential checks read. A replaced secret stays valid for ``gateway.secret_overlap_seconds``;
+    a removed tenant's keys do not."""
+    def apply_hot(new: Settings) -> None:
+        overlap = new.gateway.secret_overlap_seconds
+        keep = rotated_not_revoked(keyring.current(), gateway.tenants, new)
+        gateway.update_tenants(new.tenants, new.gateway.api_keys, overlap_seconds=overlap)
+        keyring.rotate(new.credentials, overlap, keep)
+        live.replace(live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS}))
+    return apply_hot
 
 
 def data_routes(role: str) -> tuple[APIRouter, ...]:

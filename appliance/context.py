@@ -20,7 +20,7 @@ adds what it reads to the Protocol here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, Self
 
@@ -369,6 +369,14 @@ class LiveState:
     settings: LiveSettings  # replaced whole by a hot reload (the keys in appliance.maintenance.reload.HOT_KEYS)
     draining: bool = False  # set once, by appliance serve's first SIGTERM/SIGINT: not ready, new requests get 503
     keyring: KeyringView | None = None  # rotated by a hot reload; None: the settings' own credentials
+    # Told each hot reload's settings once applied here (the gateway's workers apply them too).
+    reloaded: list[Callable[[LiveSettings], None]] = field(default_factory=list)
+
+    def replace(self, settings: LiveSettings) -> None:
+        """A hot reload's settings, now the live ones; whoever listens is told."""
+        self.settings = settings
+        for listener in self.reloaded:
+            listener(settings)
 
     @property
     def credentials(self) -> Any:
@@ -393,6 +401,30 @@ class AppContext:
     batch: BatchAPI | None = None  # /v1/files and /v1/batches; None: off (batch.enabled) or a node pod
 
 
+class ClientPathParts(Protocol):
+    """What the OpenAI routes and their key check use of the gateway: the forwarding side and the tenants."""
+
+    @property
+    def upstream(self) -> UpstreamView: ...
+
+    @property
+    def tenants(self) -> TenantLookup: ...
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerContext:
+    """A worker process's part of the appliance (``appliance.gateway.workers``): the clients' requests only; every
+    other route is the decider's."""
+
+    live: LiveState
+    gateway: ClientPathParts
+    started_at: float
+
+
+ClientContext = AppContext | WorkerContext
+"""Whoever serves the OpenAI routes: the whole appliance, or one of its workers."""
+
+
 def context_of(app: Starlette) -> AppContext:
     """The context ``create_app`` stored on ``app``: for code that holds the app (serve, the intake, tests)."""
     context = getattr(app.state, "context", None)
@@ -415,3 +447,19 @@ async def _app_context(request: Request) -> AppContext:
 
 Context = Annotated[AppContext, Depends(_app_context)]
 """A route's parameter ``ctx: Context`` is the running appliance's context."""
+
+
+def client_context(request: Request) -> ClientContext:
+    """The context of the app serving a client's request: the appliance's, or a worker's."""
+    context = getattr(request.app.state, "context", None)
+    if not isinstance(context, AppContext | WorkerContext):
+        raise RuntimeError("this app has no context: build it with appliance.app.create_app() or a worker's")
+    return context
+
+
+async def _client_context(request: Request) -> ClientContext:
+    return client_context(request)  # a coroutine, as ``_app_context``: no thread hop per request
+
+
+ClientCtx = Annotated[ClientContext, Depends(_client_context)]
+"""The OpenAI routes' parameter: the context of whoever serves them (``ClientContext``)."""

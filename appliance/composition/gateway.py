@@ -4,7 +4,9 @@ engine sections together, and the one place that declares the request path's hoo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 
@@ -17,6 +19,7 @@ from appliance.gateway.admission.queue import Admission
 from appliance.gateway.breaker.circuit import Breaker, BreakerCollector
 from appliance.gateway.breaker.hook import ShapeBreaker
 from appliance.gateway.core import Gateway
+from appliance.gateway.decisions import AdmissionState, ChargeLedger, QuotaStore, RecordSink, RoutingState
 from appliance.gateway.migration.hook import Migration
 from appliance.gateway.observation.event_loop import EventLoopLag
 from appliance.gateway.observation.fleet_metrics import FleetCollector
@@ -69,35 +72,13 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     records = RequestRecords(settings.gateway.request_records)
     migration = Migration(request_metrics, limit=settings.routing.migration_limit,
                           max_model_len=settings.engine.max_model_len)
-    # The request path's hooks, in the order they run on the request's side (the response's side runs them in
-    # reverse): observation first, so it sees every other hook's doing and the client's bytes last; migration
-    # next to the record, nearest the engine, so the others see the continued stream as the client gets it; the
-    # record last on the request's side, so it sees every decision made before it. Revocation (streams only) is
-    # nearest the engine: when a reload removes a tenant, its break must be resolved before migration's. Cache
-    # isolation salts the tenant's prompt before routing reads it and before migration keeps the body it continues;
-    # engine priority writes each attempt's priority before it goes out (a continuation's too). The shape breaker
-    # is next nearest the engine: it judges an engine's error event, and a stream silent past the idle timeout,
-    # before migration would continue it elsewhere.
     revocation = Revocation()
-    breaker = _shape_breaker(settings, router, registry)
-    hooks: list[Hook] = [Observation(request_metrics, tracer_provider.get_tracer("appliance.gateway"),
-                         tracing=_records_traces(settings.gateway, span_exporter)),
-             CacheIsolation(tenants, settings.gateway.engine_key),
-             *([precise.hook] if precise is not None else []),  # tokenizes the prompt once its salt is set
-             EnginePriority(admission, reported_policy(router.loads)),
-             Metering(accounting, quotas, admission, max_model_len=settings.engine.max_model_len,
-                      reconciliation=reconciliation, shared=shared),
-             migration,
-             Recording(records),
-             breaker,
-             revocation]
-    upstream = Upstream(admission, hooks,
-                        timeout_seconds=settings.gateway.request_timeout_seconds,
-                        idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
-                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds,
-                        engine_headers=engine_authorization(settings.gateway.engine_key))
-    migration.placement = upstream
-    breaker.probe = upstream
+    breaker = shape_breaker(settings, router, registry)
+    router.server_errors_judged = breaker.breaker is not None
+    upstream = request_path(settings, admission, RequestPath(
+        request_metrics, tracer_provider, tenants, accounting, quotas, migration, records, breaker, revocation,
+        policy_of=reported_policy(router.loads), reconciliation=reconciliation, shared=shared,
+        precise_hook=precise.hook if precise is not None else None), span_exporter)  # the hooks, in their order
     registry.register(FleetCollector(router, admission, lambda: [tenant.name for tenant in tenants.tenants()],
                                      upstream.open_requests))
     poller = EngineLoadPoller(router.poll_targets, _readings(router, reconciliation),
@@ -105,8 +86,62 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
                               on_poll=_after_poll(admission, router, reconciliation))
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
     return Gateway(router, admission, upstream, poller, request_metrics, tracer_provider, tenants, accounting, quotas,
-                   event_loop, records=records, revocation=revocation,
+                   event_loop, records=records, reconciliation=reconciliation, revocation=revocation,
                    kv_events=precise.hub if precise is not None else None, quota_store=shared)
+
+
+@dataclass
+class RequestPath:
+    """What the request path's hooks are built from: the parts a request reports to, and the decision state it
+    asks (in one process the parts themselves; in a worker, the decider's over its socket)."""
+
+    metrics: RequestMetrics
+    tracer_provider: TracerProvider
+    tenants: TenantDirectory
+    accounting: TenantAccounting
+    quotas: Quotas
+    migration: Migration
+    records: RecordSink
+    breaker: ShapeBreaker
+    revocation: Revocation
+    policy_of: Callable[[str], str | None]  # replica -> the scheduling policy its engine reported
+    reconciliation: ChargeLedger
+    shared: QuotaStore | None = None
+    precise_hook: Hook | None = None
+
+
+def request_path(settings: Settings, admission: AdmissionState, parts: RequestPath,
+                 span_exporter: SpanExporter | None = None) -> Upstream:
+    """The transport with the request path's hooks, in their one order.
+
+    Observation first, so it sees every other hook's doing and the client's bytes last; migration next to the
+    record, nearest the engine, so the others see the continued stream as the client gets it; the record last on
+    the request's side, so it sees every decision made before it. Revocation (streams only) is nearest the engine:
+    when a reload removes a tenant, its break must be resolved before migration's. Cache isolation salts the
+    tenant's prompt before routing reads it and before migration keeps the body it continues; engine priority
+    writes each attempt's priority before it goes out (a continuation's too). The shape breaker is next nearest
+    the engine: it judges an engine's error event, and a stream silent past the idle timeout, before migration
+    would continue it elsewhere."""
+    hooks: list[Hook] = [
+        Observation(parts.metrics, parts.tracer_provider.get_tracer("appliance.gateway"),
+                    tracing=_records_traces(settings.gateway, span_exporter)),
+        CacheIsolation(parts.tenants, settings.gateway.engine_key),
+        *([parts.precise_hook] if parts.precise_hook is not None else []),  # tokenizes once its salt is set
+        EnginePriority(admission, parts.policy_of),
+        Metering(parts.accounting, parts.quotas, admission, max_model_len=settings.engine.max_model_len,
+                 reconciliation=parts.reconciliation, shared=parts.shared),
+        parts.migration,
+        Recording(parts.records),
+        parts.breaker,
+        parts.revocation]
+    upstream = Upstream(admission, hooks,
+                        timeout_seconds=settings.gateway.request_timeout_seconds,
+                        idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds,
+                        connect_timeout_seconds=settings.gateway.upstream_connect_timeout_seconds,
+                        engine_headers=engine_authorization(settings.gateway.engine_key))
+    parts.migration.placement = upstream
+    parts.breaker.probe = upstream
+    return upstream
 
 
 def _quota_store(settings: Settings, registry: CollectorRegistry) -> SharedQuotas | None:
@@ -146,13 +181,12 @@ def _in_use(precise: PreciseRouting | None, router: Router, registry: CollectorR
     return precise
 
 
-def _shape_breaker(settings: Settings, router: Router, registry: CollectorRegistry) -> ShapeBreaker:
-    """The shape breaker (appliance.gateway.breaker) and its metrics; with it on, the router leaves the engines'
-    error answers to its verdict."""
+def shape_breaker(settings: Settings, routing: RoutingState, registry: CollectorRegistry) -> ShapeBreaker:
+    """The shape breaker (appliance.gateway.breaker) and its metrics. With it on, the router leaves the engines'
+    error answers to its verdict (``Router.server_errors_judged``, set by the caller that owns the router)."""
     section = settings.breaker
     breaker = Breaker(section) if section.enabled else None
-    router.server_errors_judged = breaker is not None
-    hook = ShapeBreaker(breaker, router, long_prefill=section.long_prefill_health,
+    hook = ShapeBreaker(breaker, routing, long_prefill=section.long_prefill_health,
                         health_timeout_seconds=settings.engine.health_timeout_seconds,
                         idle_timeout_seconds=settings.gateway.upstream_idle_timeout_seconds)
     if breaker is not None:

@@ -26,6 +26,7 @@ from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
 from appliance.gateway.tenants.quota_store import SharedQuotas
+from appliance.gateway.tenants.reconcile import Reconciliation
 from appliance.gateway.tenants.revocation import Revocation
 from appliance.gateway.tenants.settings import TenantSettings
 from appliance.gateway.upstream.transport import Upstream
@@ -47,6 +48,7 @@ class Gateway:
     event_loop: EventLoopLag
     records: RequestRecords  # the last requests' records (GET /admin/requests): gateway.request_records
 
+    reconciliation: Reconciliation | None = None  # the tenants' charges against the engines' own counters
     revocation: Revocation | None = None  # the hook that ends a removed tenant's streams
     kv_events: KvEventsHub | None = None  # the engines' KV-cache event subscriptions (precise prefix routing)
     quota_store: SharedQuotas | None = None  # the quota buckets shared with other gateways (None: ``quotas``)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from appliance.context import app_context
+from appliance.context import app_context, client_context
 from appliance.http.auth import (
     ALERTS_PATH,
     admin_error,
@@ -35,7 +35,7 @@ async def require_api_key(request: Request) -> None:
     """/v1's dependency: a valid key, and whose it is (``request.state.tenant``, for accounting, quotas and fair
     share; ``appliance.gateway.tenants``)."""
     authorization = _authorization(request)
-    ctx = app_context(request)
+    ctx = client_context(request)
     _raise(api_key_error(ctx.live.credentials, authorization))
     tenant = ctx.gateway.tenants.identify(bearer(authorization))
     if tenant is None:  # accepted by the settings, unknown to the directory: a reload between the two reads

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from appliance.context import AppContext, Context
+from appliance.context import ClientContext, ClientCtx
 from appliance.gateway.routing.request import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from appliance.http.errors import APIError
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], tags=[
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(ctx: Context) -> ModelList:
+async def list_models(ctx: ClientCtx) -> ModelList:
     settings = ctx.live.settings
     card = ModelCard(id=settings.served_model_name, created=int(ctx.started_at),
                      max_model_len=settings.engine.max_model_len)
@@ -25,18 +25,18 @@ async def list_models(ctx: Context) -> ModelList:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
+async def completions(body: CompletionRequest, request: Request, ctx: ClientCtx) -> Response:
     _check_common(ctx, body, body.max_tokens)
     return await _forward(ctx, request, "completions", "/v1/completions", body.stream, render_completion(body.prompt))
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ClientCtx) -> Response:
     _check_common(ctx, body, body.max_completion_tokens or body.max_tokens)
     return await _forward(ctx, request, "chat", "/v1/chat/completions", body.stream, render_chat(body.messages))
 
 
-def _check_common(ctx: AppContext, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
+def _check_common(ctx: ClientContext, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
     settings = ctx.live.settings
     if body.model is not None and body.model != settings.served_model_name:
         raise APIError(404, f"model '{body.model}' does not exist; this appliance serves "
@@ -50,7 +50,7 @@ def _check_common(ctx: AppContext, body: CompletionRequest | ChatCompletionReque
                        headers={"Retry-After": "10"})
 
 
-async def _forward(ctx: AppContext, request: Request, route: str, path: str, stream: bool, prompt: str) -> Response:
+async def _forward(ctx: ClientContext, request: Request, route: str, path: str, stream: bool, prompt: str) -> Response:
     arrived = request.scope.get("appliance.arrived", time.monotonic())
     body = await request.body()  # cached by Starlette: the exact bytes the client sent
     return await ctx.gateway.upstream.forward(request, route, path, body, stream=stream, arrived=arrived,
