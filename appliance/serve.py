@@ -19,9 +19,11 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import stat
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +45,11 @@ from appliance.engine.contract import Fleet
 from appliance.engine.external import ExternalFleet
 from appliance.engine.guard import ENGINE_KEY_ENV
 from appliance.engine.supervisor import engine_user
+from appliance.gateway.core import Gateway
 from appliance.gateway.intake.connections import GuardedHttpToolsProtocol
+from appliance.gateway.workers.decider import Decider
+from appliance.gateway.workers.metrics import MergedRegistry
+from appliance.gateway.workers.pool import WorkerPool, listening_socket
 from appliance.secret_files import SECRET_PAIRS
 from appliance.settings import ConfigError, Settings
 
@@ -54,18 +60,17 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, except that the first SIGTERM/SIGINT drains before it stops accepting."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float, *,
-                 pending: Callable[[FastAPI], int] | None = None, settle_seconds: float = 0.0) -> None:
+                 pending: Callable[[FastAPI], int] | None = None, settle_seconds: float = 0.0,
+                 workers: WorkerPool | None = None) -> None:
+        """``workers``: the gateway's worker processes (``gateway.workers`` above 1), drained and stopped with it."""
         super().__init__(config)
         self._app = app
         self._drain_timeout = drain_timeout
+        self._workers = workers
         self._pending = pending or in_flight
         self._settle_seconds = settle_seconds
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler we do not re-raise the signal after shutdown: a drained exit is exit 0.
@@ -77,6 +82,8 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         context_of(self._app).live.draining = True
+        if self._workers is not None:
+            self._workers.drain()
         log.info("signal %s: draining %d request(s) (%s; up to %.0fs); not ready, new requests get 503", sig,
                  self._pending(self._app), in_flight_parts(self._app), self._drain_timeout)
         loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
@@ -89,12 +96,25 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.1)
         if pending:
             log.warning("drain timeout: %d requests still in flight or queued; stopping anyway", pending)
+            if self._workers is not None:
+                self._workers.cut()
             cut = await context_of(self._app).gateway.upstream.cut_streams()
             if cut:
                 log.warning("drain timeout: cut %d stream(s) with a shutting_down error event", cut)
         else:
             log.info("drained: no request in flight")
         self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self._workers is not None and self.started:
+            await self._workers.start()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._workers is not None:  # first: no worker relays a stream when the engines stop
+            await self._workers.stop()
+        await super().shutdown(sockets=sockets)
 
 
 def in_flight(app: FastAPI) -> int:
@@ -216,15 +236,25 @@ def build_fleet(settings: Settings, registry: CollectorRegistry) -> Fleet:
     return build_supervisor(settings, engine_extra_env(settings))
 
 
-def server_options(settings: Settings) -> dict[str, Any]:
+def server_options(settings: Settings, *, local: bool = False) -> dict[str, Any]:
     """uvicorn's options that come from the settings: the connection level of the intake (header timeout and
     size, the connection cap, closing after an answer given before the body ended; see
     appliance/gateway/intake/connections.py). uvicorn's own ``limit_concurrency`` is not used: it answers plain text
-    without Retry-After."""
+    without Retry-After. ``local``: the decider's own server, whose one client is its workers (the clients'
+    connections were counted there), so no per-client cap."""
     intake = settings.intake
     return {"http": GuardedHttpToolsProtocol.configured(
         header_timeout=intake.header_timeout_seconds, max_header_bytes=intake.max_header_bytes,
-        max_connections=intake.max_connections, max_connections_per_client=intake.max_connections_per_client)}
+        max_connections=intake.max_connections,
+        max_connections_per_client=None if local else intake.max_connections_per_client)}
+
+
+def check_workers(settings: Settings) -> None:
+    """``gateway.workers`` above 1 with what its workers do not do yet: refused at start, not half done."""
+    if settings.gateway.workers > 1 and settings.routing.prefix_cache.mode != "approximate":
+        raise ConfigError(f"gateway.workers {settings.gateway.workers} with routing.prefix_cache.mode "
+                          f"{settings.routing.prefix_cache.mode}: precise prefix routing runs in one gateway process "
+                          "for now; set gateway.workers: 1, or the approximate mode")
 
 
 def serve(settings: Settings) -> int:
@@ -232,9 +262,14 @@ def serve(settings: Settings) -> int:
     clear_ambient()  # what the entrypoint gave this process to run its engines as engine.user, no child inherits
     settings = with_node_admin_token(with_engine_key(settings))
     check_engine_user(settings)
-    registry = CollectorRegistry()
+    check_workers(settings)
+    workers = settings.gateway.workers > 1
+    registry = MergedRegistry() if workers else CollectorRegistry()
     fleet = build_fleet(settings, registry)
     app = create_app(settings, fleet=fleet, registry=registry)
+    if workers:
+        assert isinstance(registry, MergedRegistry)
+        return serve_with_workers(settings, app, registry)
     config = uvicorn.Config(
         app, host=settings.gateway.host, port=settings.gateway.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=5, access_log=False, **server_options(settings),
@@ -246,3 +281,39 @@ def serve(settings: Settings) -> int:
         server = DrainingServer(config, app, settings.gateway.drain_timeout_seconds)
     server.run()
     return 0 if server.started else 1
+
+
+def serve_with_workers(settings: Settings, app: FastAPI, registry: MergedRegistry) -> int:
+    """The gateway as a decider and ``gateway.workers`` workers (appliance.gateway.workers): the clients' port is
+    bound here and inherited by the workers, which accept on it; this process serves the rest of the appliance on
+    a Unix socket the workers pass every other route to, and answers the workers' decisions on another."""
+    listener = listening_socket(settings.gateway.host, settings.gateway.port)
+    folder = Path(tempfile.mkdtemp(prefix="appliance-gateway-"))  # 0700, and short: a socket's path is at most 107
+    server = workers_server(settings, app, registry, listener, folder)
+    try:
+        server.run()
+    finally:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0 if server.started else 1
+
+
+def workers_server(settings: Settings, app: FastAPI, registry: MergedRegistry, listener: socket.socket,
+                   folder: Path) -> DrainingServer:
+    """The decider's server (on ``folder``/http.sock) with its workers' pool, which accept on ``listener``."""
+    ctx = context_of(app)
+    gateway = ctx.gateway
+    assert isinstance(gateway, Gateway) and gateway.reconciliation is not None
+    decider = Decider(gateway.admission, gateway.quotas, gateway.reconciliation, gateway.records, registry)
+    decider.reload(ctx.live.settings)
+    ctx.live.reloaded.append(decider.reload)
+    pool = WorkerPool(settings.gateway.workers, decider, folder / "decider.sock", folder / "http.sock", listener)
+    config = uvicorn.Config(app, uds=str(folder / "http.sock"), log_level=settings.log_level, lifespan="on",
+                            timeout_graceful_shutdown=5, access_log=False, **server_options(settings, local=True))
+
+    def pending(served: FastAPI) -> int:
+        """``in_flight``, with the workers' open requests next to this process's own (batch lines)."""
+        return max(gateway.upstream.open_requests() + decider.open_requests(),
+                   gateway.router.in_flight() + gateway.admission.queue_length)
+
+    return DrainingServer(config, app, settings.gateway.drain_timeout_seconds, pending=pending, workers=pool)

@@ -94,6 +94,13 @@ class GatewaySettings(BaseModel):
         1.0, ge=0, le=1, description="Fraction of traces recorded when an OTLP endpoint is set, decided by trace id "
         "(a caller's sampled traceparent keeps its trace id but does not force recording)."
     )
+    workers: int = Field(
+        1, ge=1, le=64, description="Processes that serve the clients' requests. 1: the gateway is one process (the "
+        "CPU demo: its engines need the cores). Above 1: that many workers accept the clients' connections and relay "
+        "their streams, each on its own core, and the appliance's own process decides for all of them (admission, "
+        "routing, tenants' quotas and fair share stay one for the whole gateway; docs/architecture.md, 'Using more "
+        "than one core'). Not with routing.prefix_cache.mode precise or precise-with-fallback yet. Takes a restart."
+    )
     request_records: int = Field(
         1000, ge=0, description="How many of the last requests the gateway keeps a record of (tenant, admission "
         "wait, the routing decision explained, retries, migrations, TTFT, end), in memory, for GET /admin/requests "

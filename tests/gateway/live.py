@@ -5,10 +5,13 @@ while a storm runs, that a drain would wait for every stream the gateway has ope
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -75,6 +78,52 @@ class LiveGateway:
             sock.sendall(f"POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
                          f"content-length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(after_seconds)
+
+
+class LiveWorkers:
+    """The gateway as ``appliance serve`` runs it with ``gateway.workers`` above 1: this process is the decider
+    (its server on a Unix socket, in a thread) and the workers are real processes accepting on a port of their own.
+    ``app`` must have been built with a ``MergedRegistry`` (the workers' metrics are summed into it)."""
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        from appliance.context import context_of
+        from appliance.gateway.workers.metrics import MergedRegistry
+        from appliance.gateway.workers.pool import listening_socket
+        from appliance.serve import workers_server
+
+        self.app = app
+        registry = context_of(app).registry
+        assert isinstance(registry, MergedRegistry), "build the app with registry=MergedRegistry()"
+        self._folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="appl-"))  # a socket's path is short
+        self._listener = listening_socket("127.0.0.1", 0)
+        self.port = self._listener.getsockname()[1]
+        self._server = workers_server(settings, app, registry, self._listener, self._folder)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> LiveWorkers:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        pool = self._server._workers
+        assert pool is not None
+        while len(pool.decider.sessions) < pool.count or not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the decider or its workers did not start")
+            time.sleep(0.05)
+        return self
+
+    @property
+    def server(self) -> uvicorn.Server:
+        return self._server
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._listener.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:

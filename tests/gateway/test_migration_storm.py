@@ -27,10 +27,11 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.core import Gateway
+from appliance.gateway.workers.metrics import MergedRegistry
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.fake_engine import Failure, FakeEngine, detok, greedy, tokenize
-from tests.gateway.live import DrainWatch, LiveGateway, wait_until
+from tests.gateway.live import DrainWatch, LiveGateway, LiveWorkers, wait_until
 
 CASES = 40
 SEED = 20261205
@@ -40,7 +41,7 @@ PROMPT = "import this"
 
 @dataclass
 class Storm:
-    live: LiveGateway
+    live: LiveGateway | LiveWorkers
     app: object
     watch: DrainWatch
     engines: list[FakeEngine]
@@ -62,18 +63,22 @@ class Storm:
                 f"leases held {dict(admission.ledger.held)}, reclaimed by GC {dict(admission.ledger.reclaimed)}")
 
 
-@pytest.fixture(scope="module")
-def storm():
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "2-workers"])
+def storm(request: pytest.FixtureRequest):
+    """The gateway as one process, and as a decider with 2 worker processes (``gateway.workers``): the same storms,
+    the same invariants, read from the one admission that decides for all of them."""
     failures: list[Failure] = []
     engines = [FakeEngine(failures=failures).start() for _ in range(2)]
     fleet = [FakeReplica(f"replica-{i}", e.url) for i, e in enumerate(engines)]
-    registry = CollectorRegistry()
+    workers = request.param
+    registry = CollectorRegistry() if workers == 1 else MergedRegistry()
     settings = Settings(served_model_name="demo", request_timeout_seconds=10, upstream_idle_timeout_seconds=1,
+                        gateway={"workers": workers},
                         admission={"max_limit": 3, "initial_limit": 3, "max_queue": 64, "queue_timeout_seconds": 5},
                         routing={"metrics_poll_seconds": 0.2, "migration_limit": 2, "eject_base_seconds": 0.3})
     app = create_app(settings, replicas=lambda: fleet, registry=registry)
     watch = DrainWatch(app)
-    with LiveGateway(watch) as live:
+    with LiveGateway(watch) if workers == 1 else LiveWorkers(app, settings) as live:
         yield Storm(live, app, watch, engines, failures, registry)
     for engine in engines:
         engine.stop()
@@ -175,4 +180,5 @@ def test_storms_with_dying_engines_and_leaving_clients_give_every_slot_back(stor
         assert not storm.watch.violations, f"case {case} ({drawn}): {storm.watch.violations[:5]}"
     print(f"{CASES} migration storm cases in {time.monotonic() - started:.1f}s: {len(storm.whole)} whole streams "
           f"read, {migrations(storm):.0f} migrations, {storm.watch.checks} drain checks")
-    assert migrations(storm) > CASES / 2  # the storms did exercise migration
+    # the storms did exercise migration (a worker's counts reach the decider's registry within a second)
+    assert wait_until(lambda: migrations(storm) > CASES / 2, timeout=5), migrations(storm)

@@ -30,10 +30,11 @@ from prometheus_client import CollectorRegistry
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.core import Gateway
+from appliance.gateway.workers.metrics import MergedRegistry
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.fake_engine import CountingModel, FakeEngine
-from tests.gateway.live import DrainWatch, LiveGateway, wait_until
+from tests.gateway.live import DrainWatch, LiveGateway, LiveWorkers, wait_until
 
 CASES = 120
 SEED = 20261204
@@ -42,7 +43,7 @@ ACTIONS = ("leave_at_once", "leave_soon", "leave_at_headers", "leave_mid_stream"
 
 @dataclass
 class Storm:
-    live: LiveGateway
+    live: LiveGateway | LiveWorkers
     app: object
     watch: DrainWatch
     stubs: list[FakeEngine]
@@ -63,17 +64,21 @@ class Storm:
                 f"leases held {dict(admission.ledger.held)}, reclaimed by GC {dict(admission.ledger.reclaimed)}")
 
 
-@pytest.fixture(scope="module")
-def storm():
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "2-workers"])
+def storm(request: pytest.FixtureRequest):
+    """The gateway as one process, and as a decider with 2 worker processes (``gateway.workers``)."""
     stubs = [FakeEngine(model=CountingModel(prefix=""), tokens=3).start() for _ in range(2)]
     fleet = [FakeReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
+    workers = request.param
     settings = Settings(served_model_name="demo", request_timeout_seconds=10, upstream_idle_timeout_seconds=3,
+                        gateway={"workers": workers},
                         admission={"max_limit": 2, "initial_limit": 2, "max_queue": 64,
                                    "queue_timeout_seconds": 5},
                         routing={"metrics_poll_seconds": 0.2})
-    app = create_app(settings, replicas=lambda: fleet, registry=CollectorRegistry())
+    app = create_app(settings, replicas=lambda: fleet,
+                     registry=CollectorRegistry() if workers == 1 else MergedRegistry())
     watch = DrainWatch(app)
-    with LiveGateway(watch) as live:
+    with LiveGateway(watch) if workers == 1 else LiveWorkers(app, settings) as live:
         yield Storm(live, app, watch, stubs, fleet)
     for stub in stubs:
         stub.stop()

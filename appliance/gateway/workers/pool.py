@@ -1,0 +1,116 @@
+"""The decider's workers: started once the decider serves, restarted when one dies, stopped after the drain.
+
+The pool binds the clients' port itself, once, and each worker inherits the listening socket: the port is the
+appliance's from the start (a squatter makes ``appliance serve`` fail at once, not a worker later), and the kernel
+hands each new connection to whichever worker accepts first, the least busy one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from appliance.gateway.workers.decider import Decider
+from appliance.gateway.workers.messages import Cut
+
+log = logging.getLogger(__name__)
+
+RESTART_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0)  # backoff between a worker's crashes in a row
+STEADY_SECONDS = 30.0  # a worker that ran this long without dying is no longer crashing in a row
+STOP_SECONDS = 10.0  # how long the workers get to end once told to stop, before they are killed
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The clients' port, bound once for every worker to accept on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+class WorkerPool:
+    def __init__(self, count: int, decider: Decider, decider_path: Path, http_path: Path,
+                 listener: socket.socket) -> None:
+        self.count = count
+        self.decider = decider
+        self.decider_path = decider_path
+        self.http_path = http_path
+        self.listener = listener
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.restarts = 0
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """The decider's socket first, then the workers (each joins it before it serves)."""
+        await self.decider.start(self.decider_path)
+        for number in range(1, self.count + 1):
+            self._spawn(number)
+        self._watch = asyncio.get_running_loop().create_task(self._keep())
+
+    def _spawn(self, number: int) -> None:
+        fd = self.listener.fileno()
+        command = [sys.executable, "-m", "appliance.gateway.workers.worker", "--decider", str(self.decider_path),
+                   "--http", str(self.http_path), "--worker", str(number), "--fd", str(fd)]
+        self.processes[number] = subprocess.Popen(command, pass_fds=(fd,), env=os.environ.copy())
+        log.info("gateway worker %d started, pid %d", number, self.processes[number].pid)
+
+    async def _keep(self) -> None:
+        """Restart a worker that died, with a backoff while it keeps dying."""
+        crashes: dict[int, tuple[int, float]] = {}  # worker -> (crashes in a row, when it last started)
+        started = {number: time.monotonic() for number in self.processes}
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            for number, process in list(self.processes.items()):
+                code = process.poll()
+                if code is None or self._stopping:
+                    continue
+                row = crashes.get(number, (0, 0.0))[0]
+                row = 0 if time.monotonic() - started[number] > STEADY_SECONDS else row
+                wait = RESTART_SECONDS[min(row, len(RESTART_SECONDS) - 1)]
+                log.error("gateway worker %d (pid %d) exited with %s; restarting it in %.1fs", number, process.pid,
+                          code, wait)
+                crashes[number] = (row + 1, 0.0)
+                await asyncio.sleep(wait)
+                if self._stopping:
+                    return
+                self.restarts += 1
+                self._spawn(number)
+                started[number] = time.monotonic()
+
+    def alive(self) -> int:
+        return sum(1 for process in self.processes.values() if process.poll() is None)
+
+    def drain(self) -> None:
+        """The gateway drains: the workers answer new requests 503."""
+        self.decider.drain()
+
+    def cut(self) -> None:
+        """The drain timed out: the workers end their streams with the shutting_down event."""
+        self.decider.broadcast(Cut())
+
+    async def stop(self) -> None:
+        """Close every worker's link (each then stops, its streams ended), wait for them, kill what is left."""
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        for session in list(self.decider.sessions):
+            await session.link.drain()
+            session.link.close()
+        deadline = time.monotonic() + STOP_SECONDS
+        while self.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for number, process in self.processes.items():
+            if process.poll() is None:
+                log.warning("gateway worker %d did not stop within %.0fs; killing it", number, STOP_SECONDS)
+                process.kill()
+            process.wait()
