@@ -173,10 +173,18 @@ def loop_lag(url: str) -> tuple[float, float, float]:
 
 
 def cpu_seconds(proc: psutil.Process | None) -> float:
+    """CPU seconds of a proxy: its process and its live children (a gateway's workers, with gateway.workers above
+    1; the gateways here route to the stub by URL, so they run no engines)."""
     if proc is None:
         return 0.0
-    times = proc.cpu_times()
-    return times.user + times.system
+    total = 0.0
+    for process in (proc, *proc.children(recursive=True)):
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _use_uvloop() -> None:

@@ -51,6 +51,32 @@ def psi_some_seconds(path: Path = PSI_CPU) -> float | None:
     return None
 
 
+class GatewayCpu:
+    """``appliance_gateway_cpu_ratio`` of this process: its CPU time over one core, between scrapes. A gateway
+    with workers (``gateway.workers``) exports it from each process, and the decider's /metrics keeps the busiest
+    one's (``appliance.gateway.workers.metrics``): every process runs one event loop, so the first to reach 1 is
+    the bottleneck."""
+
+    def __init__(self, min_window: float = 5.0, clock: Clock = time.monotonic) -> None:
+        self._rate = RateWindow(min_window)
+        self._clock = clock
+        self._self = psutil.Process()
+
+    def family(self, now: float | None = None) -> Metric:
+        times = self._self.cpu_times()
+        rate = self._rate.update(self._clock() if now is None else now, times.user + times.system)
+        family = GaugeMetricFamily(
+            "appliance_gateway_cpu_ratio", "CPU time of the gateway process over one core (0..1): its event loop "
+            "is one thread, so near 1 means the gateway itself is the bottleneck. With gateway.workers, the "
+            "busiest of the decider and its workers.")
+        if rate is not None:
+            family.add_metric([], min(1.0, max(0.0, rate)))
+        return family
+
+    def collect(self) -> Iterable[Metric]:
+        yield self.family()
+
+
 class HostCollector(SafeCollector):
     name = "host"
 
@@ -61,7 +87,7 @@ class HostCollector(SafeCollector):
         self._clock = clock
         self._psi_path = psi_path
         self._host_busy = RateWindow(min_window)
-        self._gateway = RateWindow(min_window)
+        self._gateway = GatewayCpu(min_window, clock)
         self._roles = KeyedRates(min_window)
         self._self = psutil.Process()
 
@@ -81,7 +107,7 @@ class HostCollector(SafeCollector):
                     value=stalled))
                 sources.add("psi")
         with self.source("gateway_cpu"):
-            page.append(self._gateway_family(now))
+            page.append(self._gateway.family(now))
             sources.add("gateway_cpu")
         with self.source("process_cpu"):
             family = self._process_family(now)
@@ -111,16 +137,6 @@ class HostCollector(SafeCollector):
             load.add_metric([window], value / cores)
         return [utilisation, load, GaugeMetricFamily("appliance_host_cpu_cores", "Logical CPU cores of the host.",
                                                      value=cores)]
-
-    def _gateway_family(self, now: float) -> Metric:
-        times = self._self.cpu_times()
-        rate = self._gateway.update(now, times.user + times.system)
-        family = GaugeMetricFamily(
-            "appliance_gateway_cpu_ratio", "CPU time of the gateway process over one core (0..1): its event loop "
-            "is one thread, so near 1 means the gateway itself is the bottleneck.")
-        if rate is not None:
-            family.add_metric([], min(1.0, max(0.0, rate)))
-        return family
 
     def _process_family(self, now: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(

@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance.app import hot_reload
+from appliance.collectors.host import GatewayCpu
 from appliance.composition.batch import upload_limits
 from appliance.composition.gateway import RequestPath, request_path, shape_breaker
 from appliance.context import LiveState, WorkerContext
@@ -114,6 +115,7 @@ def build_worker_gateway(settings: Settings, client: DeciderClient, registry: Co
         shape_breaker(settings, client.routing, registry), revocation, policy_of=client.routing.policy_of,
         reconciliation=RemoteLedger(client.link), shared=store))
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
+    registry.register(GatewayCpu(settings.collectors.rate_min_window_seconds))
     return WorkerGateway(upstream, tenants, accounting, metrics, revocation, event_loop, tracer_provider,
                          quota_store=shared)
 

@@ -4,10 +4,11 @@ the processes that count it.
 A worker collects its own registry every ``PUSH_SECONDS`` and sends it (``Metrics``); the decider's registry
 (``MergedRegistry``) adds each family's samples to its own family of the same name, label set by label set:
 counters and histograms sum (requests, tokens, latencies: a histogram's buckets add up to the fleet's
-distribution), gauges sum (what they count adds up: open streams, breakers open in each worker), a ``_created``
-sample keeps the earliest. A worker that goes away leaves its counters and histograms behind (``retire``), as
-prometheus-client's multiprocess mode keeps a dead process's files: a sum that fell when a worker restarted would
-read as a counter reset. Its gauges go with it.
+distribution), gauges sum (what they count adds up: open streams, breakers open in each worker) but for a
+process's own ratio (``BUSIEST``: the highest is the gateway's), and a ``_created`` sample keeps the earliest. A
+worker that goes away leaves its counters and histograms behind (``retire``), as prometheus-client's multiprocess
+mode keeps a dead process's files: a sum that fell when a worker restarted would read as a counter reset. Its
+gauges go with it.
 
 Why not prometheus-client's multiprocess mode: it sees no custom collector (the breakers', read at scrape time),
 needs its directory set before the first metric is made in every process, and labels each gauge by pid unless
@@ -26,6 +27,7 @@ from prometheus_client.samples import Sample
 
 PUSH_SECONDS = 1.0  # how often a worker sends its metrics (a scrape sees them at most this old)
 KEPT_TYPES = ("counter", "histogram", "summary")  # what a worker that left leaves behind
+BUSIEST = frozenset({"appliance_gateway_cpu_ratio"})  # gauges of one process each: the highest is the gateway's
 
 Family = tuple[str, str, str, str, list[tuple[str, dict[str, str], float]]]  # name, help, type, unit, samples
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -80,7 +82,11 @@ class MergedRegistry(CollectorRegistry):
                     merged[name] = (Metric(name, documentation, kind, unit), {})
                 values = merged[name][1]
                 for sample_name, labels, value in samples:
-                    _add(values, (sample_name, tuple(sorted(labels.items()))), value)
+                    key = (sample_name, tuple(sorted(labels.items())))
+                    if name in BUSIEST:
+                        values[key] = max(values.get(key, value), value)
+                    else:
+                        _add(values, key, value)
         for metric, values in merged.values():
             out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
             out.samples = [Sample(name, dict(labels), value) for (name, labels), value in values.items()]
