@@ -18,6 +18,7 @@ import pickle
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,10 @@ class WorkerSession:
     reservations: dict[int, Reservation] = field(default_factory=dict)
     open: int = 0
     reported_at: float = 0.0  # monotonic: when the worker last said how many requests it has open
+
+
+def _forget_task(acquiring: dict[int, asyncio.Task[None]], number: int, _done: asyncio.Task[None]) -> None:
+    acquiring.pop(number, None)
 
 
 class Decider:
@@ -139,6 +144,7 @@ class Decider:
         elif kind is m.Acquire:
             task = asyncio.get_running_loop().create_task(self._acquire(session, message))
             session.acquiring[message.id] = task
+            task.add_done_callback(partial(_forget_task, session.acquiring, message.id))
         elif kind is m.Cancel:
             queued = session.acquiring.get(message.id)
             if queued is not None:
@@ -177,8 +183,6 @@ class Decider:
         except APIError as exc:
             session.link.send(m.Refused(ask.id, exc.status, exc.message, exc.code, exc.param, dict(exc.headers)))
             return
-        finally:
-            session.acquiring.pop(ask.id, None)
         if session.link.closed:  # the worker left while the request was queued
             lease.release(Outcome.ABORTED)
             return

@@ -65,21 +65,22 @@ class WorkerPool:
         log.info("gateway worker %d started, pid %d", number, self.processes[number].pid)
 
     async def _keep(self) -> None:
-        """Restart a worker that died, with a backoff while it keeps dying."""
-        crashes: dict[int, tuple[int, float]] = {}  # worker -> (crashes in a row, when it last started)
-        started = {number: time.monotonic() for number in self.processes}
+        """Restart a worker that died, with a backoff while it keeps dying (one that lived STEADY_SECONDS starts
+        the backoff over)."""
+        in_a_row = dict.fromkeys(self.processes, 0)
+        started = dict.fromkeys(self.processes, time.monotonic())
         while not self._stopping:
             await asyncio.sleep(0.2)
             for number, process in list(self.processes.items()):
                 code = process.poll()
                 if code is None or self._stopping:
                     continue
-                row = crashes.get(number, (0, 0.0))[0]
-                row = 0 if time.monotonic() - started[number] > STEADY_SECONDS else row
-                wait = RESTART_SECONDS[min(row, len(RESTART_SECONDS) - 1)]
+                if time.monotonic() - started[number] > STEADY_SECONDS:
+                    in_a_row[number] = 0
+                wait = RESTART_SECONDS[min(in_a_row[number], len(RESTART_SECONDS) - 1)]
                 log.error("gateway worker %d (pid %d) exited with %s; restarting it in %.1fs", number, process.pid,
                           code, wait)
-                crashes[number] = (row + 1, 0.0)
+                in_a_row[number] += 1
                 await asyncio.sleep(wait)
                 if self._stopping:
                     return

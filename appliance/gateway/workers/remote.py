@@ -138,6 +138,9 @@ class RemoteRouting:
     def replicas(self) -> Sequence[Replica]:
         return self._order
 
+    def replica(self, name: str) -> RemoteReplica | None:
+        return self._replicas.get(name)
+
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return any(r.view.eligible and r.name not in exclude for r in self._order)
 
@@ -195,7 +198,7 @@ class RemoteAdmission:
         if isinstance(answer, m.Refused):
             raise APIError(answer.status, answer.message, param=answer.param, code=answer.code,
                            headers=answer.headers or None)
-        replica = self.routing._replicas.get(answer.replica)
+        replica = self.routing.replica(answer.replica)
         if replica is None:  # granted on a replica this worker has not heard of yet: give it back, try again
             self.link.send(m.Release(answer.lease, Outcome.ABORTED.value))
             raise APIError(503, "no ready replica; retry shortly", code="no_ready_replica",
