@@ -151,7 +151,10 @@ def test_a_drain_lets_the_workers_streams_end_and_refuses_new_requests(workers: 
         tasks = [asyncio.ensure_future(stream(workers.live.url)) for _ in range(6)]
         await asyncio.sleep(0.5)
         workers.live.server.handle_exit(signal.SIGTERM, None)
-        await asyncio.sleep(0.3)
+        decider = workers.pool.decider
+        while decider.draining_since is None or any(session.reported_at < decider.draining_since
+                                                    for session in decider.sessions):
+            await asyncio.sleep(0.02)  # every worker heard of the drain (and said what it has open)
         async with httpx.AsyncClient(base_url=workers.live.url, timeout=10) as http:
             refused = await http.post("/v1/completions", headers=KEY, json={"prompt": "hi"})
         return await asyncio.gather(*tasks), refused.status_code
