@@ -118,6 +118,20 @@ def test_a_slot_is_the_deciders_and_goes_back_when_released() -> None:
     run(scenario)
 
 
+def test_a_first_token_reaches_the_deciders_prefill_count() -> None:
+    async def scenario(setup: Setup) -> None:
+        client, admission = await setup.worker(1)
+        lease = await admission.acquire(tenant=A)
+        name = lease.replica.name
+        assert setup.admission.tenant_prefilling("a", name) == 1
+        assert lease.first_token()
+        await until(lambda: setup.admission.tenant_prefilling("a", name) == 0)
+        lease.release(Outcome.SUCCESS)
+        await until(setup.idle)
+        await client.close()
+    run(scenario)
+
+
 def test_a_refusal_reaches_the_worker_as_the_same_error() -> None:
     async def scenario(setup: Setup) -> None:
         client, admission = await setup.worker(1)

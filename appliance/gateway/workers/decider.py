@@ -141,6 +141,10 @@ class Decider:
             lease = session.leases.pop(message.lease, None)
             if lease is not None:
                 lease.release(Outcome(message.outcome), message.ttft_seconds)
+        elif kind is m.FirstToken:
+            held = session.leases.get(message.lease)
+            if held is not None:
+                held.first_token()
         elif kind is m.Acquire:
             task = asyncio.get_running_loop().create_task(self._acquire(session, message))
             session.acquiring[message.id] = task

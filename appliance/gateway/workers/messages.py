@@ -100,6 +100,12 @@ class Release(msgspec.Struct, tag=True, array_like=True):
     ttft_seconds: float | None = None
 
 
+class FirstToken(msgspec.Struct, tag=True, array_like=True):
+    """The engine's first token for a lease came back (``Lease.first_token``: admission's prefill count)."""
+
+    lease: int
+
+
 class Settle(msgspec.Struct, tag=True, array_like=True):
     """A reservation settled to what the request used, or refunded whole (``used`` None)."""
 
@@ -199,8 +205,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 
 Question = Acquire | Reserve
 Answer = Granted | Refused | Reserved | QuotaRefused
-ToDecider = (Join | Acquire | Reserve | Cancel | Release | Settle | Charge | Charged | Relayed | EngineFailed | Record
-             | Open | Metrics)
+ToDecider = (Join | Acquire | Reserve | Cancel | Release | FirstToken | Settle | Charge | Charged | Relayed
+             | EngineFailed | Record | Open | Metrics)
 ToWorker = Granted | Refused | Reserved | QuotaRefused | Fleet | Reload | Drain | Cut | Hello
 
 to_decider: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ToDecider)

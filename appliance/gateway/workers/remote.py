@@ -206,14 +206,12 @@ class RemoteAdmission:
         self._over_share[tenant.name] = answer.over_share
         if request is not None:
             request.decision = answer.decision
-        return Lease(replica, self._releaser(answer.lease), self._reclaimed)
-
-    def _releaser(self, number: int) -> Any:
-        send = self.link.send
+        send, number = self.link.send, answer.lease
 
         def release(_replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
             send(m.Release(number, outcome.value, ttft_seconds))
-        return release
+
+        return Lease(replica, release, self._reclaimed, lambda: send(m.FirstToken(number)))
 
     def _reclaimed(self, replica: Replica) -> None:
         self.reclaimed += 1
