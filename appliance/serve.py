@@ -249,20 +249,11 @@ def server_options(settings: Settings, *, local: bool = False) -> dict[str, Any]
         max_connections_per_client=None if local else intake.max_connections_per_client)}
 
 
-def check_workers(settings: Settings) -> None:
-    """``gateway.workers`` above 1 with what its workers do not do yet: refused at start, not half done."""
-    if settings.gateway.workers > 1 and settings.routing.prefix_cache.mode != "approximate":
-        raise ConfigError(f"gateway.workers {settings.gateway.workers} with routing.prefix_cache.mode "
-                          f"{settings.routing.prefix_cache.mode}: precise prefix routing runs in one gateway process "
-                          "for now; set gateway.workers: 1, or the approximate mode")
-
-
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; return the process exit code."""
     clear_ambient()  # what the entrypoint gave this process to run its engines as engine.user, no child inherits
     settings = with_node_admin_token(with_engine_key(settings))
     check_engine_user(settings)
-    check_workers(settings)
     workers = settings.gateway.workers > 1
     registry = MergedRegistry() if workers else CollectorRegistry()
     fleet = build_fleet(settings, registry)
@@ -304,7 +295,8 @@ def workers_server(settings: Settings, app: FastAPI, registry: MergedRegistry, l
     ctx = context_of(app)
     gateway = ctx.gateway
     assert isinstance(gateway, Gateway) and gateway.reconciliation is not None
-    decider = Decider(gateway.admission, gateway.quotas, gateway.reconciliation, gateway.records, registry)
+    decider = Decider(gateway.admission, gateway.quotas, gateway.reconciliation, gateway.records, registry,
+                      kv_events=gateway.kv_events)
     decider.reload(ctx.live.settings)
     ctx.live.reloaded.append(decider.reload)
     pool = WorkerPool(settings.gateway.workers, decider, folder / "decider.sock", folder / "http.sock", listener)

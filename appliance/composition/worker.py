@@ -35,6 +35,10 @@ from appliance.gateway.observation.event_loop import EventLoopLag
 from appliance.gateway.observation.metrics import CLIENT_ROUTES, COUNTED, RequestMetrics
 from appliance.gateway.observation.tracing import build_tracer_provider
 from appliance.gateway.routes import openai
+from appliance.gateway.routing.kv_events.hashing import BlockHasher
+from appliance.gateway.routing.kv_events.hook import PromptTokensHook
+from appliance.gateway.routing.kv_events.metrics import TokenizerCollector
+from appliance.gateway.routing.kv_events.tokens import PromptTokenizer
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.directory import TenantDirectory
 from appliance.gateway.tenants.quota import Quotas
@@ -73,6 +77,7 @@ class WorkerGateway:
     event_loop: EventLoopLag
     tracer_provider: TracerProvider
     quota_store: SharedQuotas | None = None
+    tokenizer: PromptTokenizer | None = None  # precise prefix routing's, closed with the worker
 
     def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
                        overlap_seconds: float = 0.0) -> list[str]:
@@ -109,15 +114,35 @@ def build_worker_gateway(settings: Settings, client: DeciderClient, registry: Co
     migration = Migration(metrics, limit=settings.routing.migration_limit,
                           max_model_len=settings.engine.max_model_len)
     tracer_provider = build_tracer_provider(settings.gateway, None)
+    tokens = prompt_tokens(settings, client, registry)
     upstream = request_path(settings, admission, RequestPath(
         metrics, tracer_provider, tenants, accounting, Quotas(()), migration,
         RemoteRecords(client.link, settings.gateway.request_records > 0),
         shape_breaker(settings, client.routing, registry), revocation, policy_of=client.routing.policy_of,
-        reconciliation=RemoteLedger(client.link), shared=store))
+        reconciliation=RemoteLedger(client.link), shared=store, precise_hook=tokens))
     event_loop = EventLoopLag(registry, settings.gateway.event_loop_probe_seconds)
     registry.register(GatewayCpu(settings.collectors.rate_min_window_seconds))
     return WorkerGateway(upstream, tenants, accounting, metrics, revocation, event_loop, tracer_provider,
-                         quota_store=shared)
+                         quota_store=shared, tokenizer=tokens.tokenizer if tokens is not None else None)
+
+
+def prompt_tokens(settings: Settings, client: DeciderClient, registry: CollectorRegistry) -> PromptTokensHook | None:
+    """With precise prefix routing: this worker tokenizes its requests' prompts (in its own threads) while the
+    decider's event indexes are current, and the token ids go with each ``Acquire``; None otherwise, or when the
+    tokenizer cannot be loaded (the decider then routes on the approximate scorer, and said so at its start)."""
+    section = settings.routing.prefix_cache
+    path = section.tokenizer or settings.model
+    if section.mode == "approximate" or path is None:
+        return None
+    try:
+        tokenizer = PromptTokenizer(Path(path), section.tokenizer_threads)
+    except FileNotFoundError as exc:
+        log.warning("precise prefix routing needs the model's tokenizer (%s): this worker sends no tokens", exc)
+        return None
+    hook = PromptTokensHook(tokenizer, client.routing, BlockHasher(section.hash_seed),
+                            section.max_pending_tokenizations)
+    registry.register(TokenizerCollector(hook))
+    return hook
 
 
 def create_worker_app(settings: Settings, client: DeciderClient, decider_http: Path) -> FastAPI:
@@ -161,6 +186,8 @@ def create_worker_app(settings: Settings, client: DeciderClient, decider_http: P
             await passthrough.close()
             if gateway.quota_store is not None:
                 await gateway.quota_store.close(settings.quota_store.drain_seconds)
+            if gateway.tokenizer is not None:
+                gateway.tokenizer.close()
             gateway.tracer_provider.shutdown()
 
     app = FastAPI(title="appliance gateway worker", lifespan=lifespan, docs_url=None, redoc_url=None,

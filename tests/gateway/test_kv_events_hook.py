@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -17,9 +18,11 @@ from appliance.context import context_of
 from appliance.gateway.routing.kv_events.hashing import BlockHasher
 from appliance.gateway.routing.kv_events.hub import KvEventsHub
 from appliance.gateway.routing.kv_events.tokens import PromptTokenizer, token_job
+from appliance.gateway.workers.metrics import MergedRegistry
 from appliance.settings import Settings
 from tests.doubles import FakeReplica
 from tests.gateway.kv_engine import Engine, port_free
+from tests.gateway.live import LiveWorkers
 
 CHAT = {"model": "demo", "messages": [{"role": "system", "content": "You answer questions about Python. " * 8},
                                       {"role": "user", "content": "What does a for loop do?"}], "max_tokens": 3}
@@ -82,6 +85,48 @@ def test_a_prompt_goes_where_its_engine_reports_it_cached(precise, stubs):
     assert 'appliance_routing_prefix_source_total{source="precise"} 1.0' in metrics
     assert "appliance_routing_prompts_tokenized_total 1.0" in metrics
     assert 'appliance_routing_kv_index_usable{replica="replica-1"} 1.0' in metrics
+
+
+def test_with_workers_a_prompt_tokenized_in_a_worker_goes_where_its_engine_reports_it_cached(stubs, demo_model_int8):
+    """gateway.workers 2: a worker tokenizes the prompt (the decider's fleet says an index is current), sends the
+    ids with its Acquire, and the decider's precise scorer routes on them."""
+    offset, replay_offset = offsets_free_for(stubs[1].port)
+    engine = Engine(events_port=stubs[1].port + offset, replay_port=stubs[1].port + replay_offset)
+    replicas = [FakeReplica(f"replica-{i}", stub.url) for i, stub in enumerate(stubs)]
+    settings = Settings(served_model_name="demo", gateway={"workers": 2},
+                        engine={"kv_events": "local", "kv_events_port_offset": offset,
+                                "kv_events_replay_port_offset": replay_offset},
+                        routing={"prefix_cache": {"mode": "precise-with-fallback", "tokenizer": demo_model_int8}})
+    app = create_app(settings, replicas=lambda: replicas, registry=MergedRegistry())
+    try:
+        with LiveWorkers(app, settings) as live:
+            hub = context_of(app).gateway.kv_events
+            assert isinstance(hub, KvEventsHub)
+            wait(lambda: hub.usable("replica-1") is not None)
+            tokenizer = PromptTokenizer(demo_model_int8, threads=1)
+            try:
+                ids = tokenizer.tokenize(token_job("chat", CHAT))
+            finally:
+                tokenizer.close()
+            keys = BlockHasher("random").keys(ids, 16)
+            from vllm.distributed.kv_events import BlockStored
+
+            engine.publish(BlockStored(block_hashes=[k.to_bytes(8, "big") for k in keys], parent_block_hash=None,
+                                       token_ids=ids[:16 * len(keys)], block_size=16, lora_id=None, medium="GPU",
+                                       lora_name=None))
+            wait(lambda: len(hub.indexes["replica-1"]) == len(keys))
+            pool = live.server._workers
+            assert pool is not None
+            sent = pool.decider
+            wait(lambda: sent._fleet is not None and sent._fleet.kv_usable, timeout=5)  # told to the workers
+            with httpx.Client(base_url=live.url, timeout=30) as http:
+                response = http.post("/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200, response.text
+                assert len(stubs[1].received) == 1 and not stubs[0].received
+                wait(lambda: "appliance_routing_prompts_tokenized_total 1.0" in http.get("/metrics").text)
+                assert 'appliance_routing_prefix_source_total{source="precise"} 1.0' in http.get("/metrics").text
+    finally:
+        engine.close()
 
 
 def test_what_cannot_be_tokenized_is_routed_at_once(precise, stubs):

@@ -27,6 +27,7 @@ import msgspec
 from appliance.gateway.admission.queue import Admission
 from appliance.gateway.admission.slots import Lease
 from appliance.gateway.observation.records import RequestRecord, RequestRecords
+from appliance.gateway.routing.kv_events.hook import IndexView
 from appliance.gateway.routing.kv_events.tokens import PromptTokens
 from appliance.gateway.routing.request import RoutingRequest
 from appliance.gateway.routing.router import Outcome, Router
@@ -64,9 +65,13 @@ class Decider:
     reconciliation and records."""
 
     def __init__(self, admission: Admission, quotas: Quotas, reconciliation: Reconciliation,
-                 records: RequestRecords, registry: MergedRegistry | None = None) -> None:
-        """``registry``: where the workers' metrics are summed in (None: they are dropped, as in tests)."""
+                 records: RequestRecords, registry: MergedRegistry | None = None,
+                 kv_events: IndexView | None = None) -> None:
+        """``registry``: where the workers' metrics are summed in (None: they are dropped, as in tests).
+        ``kv_events``: the engines' event indexes, with precise prefix routing (what the workers' tokenizing
+        needs to know of them goes out with the fleet)."""
         self.admission = admission
+        self.kv_events = kv_events
         self.registry = registry
         self.router: Router = admission.router
         self.quotas = quotas
@@ -239,10 +244,13 @@ class Decider:
         """The replicas as the workers need them now."""
         eligible = {replica.name for replica in self.router.eligible()}
         loads = self.router.loads()
+        kv = self.kv_events
         return m.Fleet([m.ReplicaView(r.name, r.url, r.routable, r.name in eligible, r.status.state.value,
                                       r.status.planned_restart,
                                       load.scheduling_policy if (load := loads.get(r.name)) is not None else None)
-                        for r in self.router.replicas()])
+                        for r in self.router.replicas()],
+                       kv_usable=kv is not None and kv.any_usable(),
+                       block_sizes=sorted(kv.block_sizes()) if kv is not None else [])
 
     async def _refresh_fleet(self) -> None:
         while True:

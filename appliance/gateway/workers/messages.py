@@ -179,7 +179,12 @@ class ReplicaView(msgspec.Struct, array_like=True):
 
 
 class Fleet(msgspec.Struct, tag=True, array_like=True):
+    """The replicas; with precise prefix routing, whether any engine's event index is current (a worker tokenizes
+    prompts only then) and the KV block sizes the engines reported (the block keys a worker computes)."""
+
     replicas: list[ReplicaView]
+    kv_usable: bool = False
+    block_sizes: list[int] = []
 
 
 class Reload(msgspec.Struct, tag=True, array_like=True):

@@ -110,7 +110,8 @@ class RemoteReplica:
 
 
 class RemoteRouting:
-    """The routing state a worker reads (``RoutingState``)."""
+    """The routing state a worker reads (``RoutingState``), and what its prompt tokenizing asks of the decider's
+    event indexes (``IndexView``, with precise prefix routing)."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -118,6 +119,8 @@ class RemoteRouting:
         self._order: list[RemoteReplica] = []
         self._relayed: set[str] = set()
         self._flush: asyncio.TimerHandle | None = None
+        self._kv_usable = False
+        self._block_sizes: set[int] = set()
         self.described = asyncio.Event()  # the first Fleet came
 
     def update(self, fleet: m.Fleet) -> None:
@@ -133,7 +136,15 @@ class RemoteRouting:
         for name in [name for name in self._replicas if name not in names]:
             del self._replicas[name]
         self._order = order
+        self._kv_usable, self._block_sizes = fleet.kv_usable, set(fleet.block_sizes)
         self.described.set()
+
+    def any_usable(self) -> bool:
+        """Whether any engine's event index at the decider is current (precise routing: tokenize the prompt)."""
+        return self._kv_usable
+
+    def block_sizes(self) -> set[int]:
+        return self._block_sizes
 
     def replicas(self) -> Sequence[Replica]:
         return self._order

@@ -9,7 +9,8 @@ tokenize as the engine does, or that finds ``max_pending_tokenizations`` already
 no replica's event index can be routed on, is not held: it goes on without tokens (the approximate scorer decides
 in precise-with-fallback).
 
-It knows the exchange by the three things it reads (a Protocol), so this package needs nothing of the transport.
+It knows the exchange by the three things it reads and the indexes by the two it asks (Protocols), so this package
+needs nothing of the transport, and a gateway worker (appliance.gateway.workers) asks its decider's indexes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from collections import Counter
 from typing import Any, Protocol
 
 from appliance.gateway.routing.kv_events.hashing import BlockHasher
-from appliance.gateway.routing.kv_events.hub import KvEventsHub
 from appliance.gateway.routing.kv_events.tokens import PromptTokenizer, PromptTokens, TokenJob, token_job
 from appliance.gateway.routing.request import RoutingRequest
 
 log = logging.getLogger(__name__)
+
+
+class IndexView(Protocol):
+    """What the hook asks of the event indexes (``KvEventsHub``, or a worker's view of its decider's)."""
+
+    def any_usable(self) -> bool: ...
+
+    def block_sizes(self) -> set[int]: ...
 
 
 class _Exchange(Protocol):
@@ -38,7 +46,7 @@ class _Exchange(Protocol):
 class PromptTokensHook:
     name = "prompt_tokens"
 
-    def __init__(self, tokenizer: PromptTokenizer, hub: KvEventsHub, hasher: BlockHasher, max_pending: int) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, hub: IndexView, hasher: BlockHasher, max_pending: int) -> None:
         self.tokenizer = tokenizer
         self.hub = hub
         self.hasher = hasher
@@ -60,7 +68,7 @@ class PromptTokensHook:
             self.skipped["busy"] += 1
             return
         self.pending += 1
-        sizes = {index.block_size for index in self.hub.indexes.values() if index.block_size is not None}
+        sizes = self.hub.block_sizes()
         exchange.routing.preparing = asyncio.ensure_future(self._tokenize(exchange.routing, job, sizes))
 
     async def _tokenize(self, routing: RoutingRequest, job: TokenJob, sizes: set[int]) -> None:

@@ -137,3 +137,7 @@ class KvEventsHub:
     def any_usable(self) -> bool:
         now = self._clock()
         return any(index.usable(now) for index in self.indexes.values())
+
+    def block_sizes(self) -> set[int]:
+        """The KV block sizes the engines reported (a prompt's block keys are computed at each)."""
+        return {index.block_size for index in self.indexes.values() if index.block_size is not None}

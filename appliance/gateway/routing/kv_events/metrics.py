@@ -42,7 +42,7 @@ class KvEventsCollector(Collector):
             fallbacks.add_metric([reason], self._scorer.fallbacks[reason])
         yield fallbacks
         if self._hook is not None:
-            yield from self._tokenizing(self._hook)
+            yield from TokenizerCollector(self._hook).collect()
 
     def _replicas(self) -> Iterable[Metric]:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
@@ -84,8 +84,16 @@ class KvEventsCollector(Collector):
         yield from families.values()
         yield resets
 
-    @staticmethod
-    def _tokenizing(hook: PromptTokensHook) -> Iterable[Metric]:
+
+class TokenizerCollector(Collector):
+    """The request path's tokenizing for precise routing (a gateway worker registers it alone: its decider has the
+    indexes and the scorer)."""
+
+    def __init__(self, hook: PromptTokensHook) -> None:
+        self._hook = hook
+
+    def collect(self) -> Iterable[Metric]:
+        hook = self._hook
         yield CounterMetricFamily("appliance_routing_prompts_tokenized", "Prompts tokenized for precise prefix "
                                   "routing.", value=hook.tokenized)
         yield CounterMetricFamily("appliance_routing_prompt_tokenize_seconds", "Worker time spent tokenizing "
