@@ -11,6 +11,7 @@ queue, fair share, routing, quotas, the reconciliation, the request records) is 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, MutableMapping
@@ -177,9 +178,11 @@ def create_worker_app(settings: Settings, client: DeciderClient, decider_http: P
         if gateway.quota_store is not None:
             gateway.quota_store.start()
         reports = asyncio.get_running_loop().create_task(_report(client, gateway.upstream, registry))
+        gc.freeze()  # as the decider does (appliance.app): full collections skip what lives as long as the worker
         try:
             yield
         finally:
+            gc.unfreeze()
             reports.cancel()
             await gateway.event_loop.stop()
             await gateway.upstream.close()
