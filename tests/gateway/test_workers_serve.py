@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -166,3 +167,21 @@ def test_a_drain_lets_the_workers_streams_end_and_refuses_new_requests(workers: 
     while workers.pool.alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not workers.pool.alive()
+
+
+def test_a_worker_serves_its_inherited_port_as_the_tcp_socket_it_is() -> None:
+    """The event loop sets TCP_NODELAY on the connections of a TCP server only: served as a Unix socket (what
+    uvicorn's fd option assumes), the clients' small writes waited on Nagle's algorithm (~40 ms per first token)."""
+    from appliance.gateway.workers.pool import listening_socket
+    from appliance.gateway.workers.worker import inherited_listener
+
+    listener = listening_socket("127.0.0.1", 0)
+    try:
+        duplicate = os.dup(listener.fileno())
+        served = inherited_listener(duplicate)
+        try:
+            assert served.family == socket.AF_INET and served.type == socket.SOCK_STREAM
+        finally:
+            served.close()
+    finally:
+        listener.close()

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
@@ -53,18 +54,27 @@ class WorkerServer(uvicorn.Server):
         self.should_exit = True
 
 
+def inherited_listener(fd: int) -> socket.socket:
+    """The clients' listening socket the decider passed down, as a socket object that knows its family from the fd.
+    Not uvicorn's own ``fd`` option: it takes any fd for a Unix socket, and the event loop then treats the clients'
+    TCP connections as Unix ones, without TCP_NODELAY, so Nagle's algorithm held small writes (first tokens) back
+    until the client's delayed ACK, about 40 ms."""
+    return socket.socket(fileno=fd)
+
+
 async def run(decider: Path, http: Path, worker: int, fd: int) -> None:
     client = await DeciderClient.connect(decider, worker)
     settings = client.settings
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s worker {worker} %(levelname)s "
                         "%(name)s: %(message)s")
     app = create_worker_app(settings, client, http)
-    config = uvicorn.Config(app, fd=fd, log_level=settings.log_level, lifespan="on", access_log=False,
+    config = uvicorn.Config(app, log_level=settings.log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=5, **server_options(settings))
     server = WorkerServer(config, client)
     watcher = asyncio.get_running_loop().create_task(server.stop_when_lost())
+    listener = inherited_listener(fd)
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         watcher.cancel()
         await client.close()
