@@ -5,6 +5,7 @@ holds returns to nothing, and no replica is ever past its limit."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
 import random
 import tempfile
@@ -128,6 +129,19 @@ def test_a_first_token_reaches_the_deciders_prefill_count() -> None:
         await until(lambda: setup.admission.tenant_prefilling("a", name) == 0)
         lease.release(Outcome.SUCCESS)
         await until(setup.idle)
+        await client.close()
+    run(scenario)
+
+
+def test_a_lease_a_worker_dropped_unreleased_is_counted_and_given_back() -> None:
+    async def scenario(setup: Setup) -> None:
+        client, admission = await setup.worker(1)
+        lease = await admission.acquire(tenant=A)
+        name = lease.replica.name
+        del lease
+        gc.collect()  # the garbage collector's backstop: as a leak in the request path would end
+        await until(setup.idle)
+        assert setup.admission.ledger.reclaimed[name] == 1
         await client.close()
     run(scenario)
 

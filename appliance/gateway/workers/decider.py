@@ -146,6 +146,10 @@ class Decider:
             lease = session.leases.pop(message.lease, None)
             if lease is not None:
                 lease.release(Outcome(message.outcome), message.ttft_seconds)
+        elif kind is m.Reclaimed:
+            dropped = session.leases.get(message.lease)
+            if dropped is not None:
+                self.admission.ledger.on_reclaimed(dropped.replica)
         elif kind is m.FirstToken:
             held = session.leases.get(message.lease)
             if held is not None:

@@ -100,6 +100,13 @@ class Release(msgspec.Struct, tag=True, array_like=True):
     ttft_seconds: float | None = None
 
 
+class Reclaimed(msgspec.Struct, tag=True, array_like=True):
+    """A worker's lease was dropped without being released (the garbage collector's backstop gives it back next):
+    the decider's ledger counts it, as it counts its own (``appliance_slot_leases_reclaimed_total``)."""
+
+    lease: int
+
+
 class FirstToken(msgspec.Struct, tag=True, array_like=True):
     """The engine's first token for a lease came back (``Lease.first_token``: admission's prefill count)."""
 
@@ -208,9 +215,7 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     settings: bytes
 
 
-Question = Acquire | Reserve
-Answer = Granted | Refused | Reserved | QuotaRefused
-ToDecider = (Join | Acquire | Reserve | Cancel | Release | FirstToken | Settle | Charge | Charged | Relayed
+ToDecider = (Join | Acquire | Reserve | Cancel | Release | Reclaimed | FirstToken | Settle | Charge | Charged | Relayed
              | EngineFailed | Record | Open | Metrics)
 ToWorker = Granted | Refused | Reserved | QuotaRefused | Fleet | Reload | Drain | Cut | Hello
 

@@ -182,7 +182,6 @@ class RemoteAdmission:
         self.routing = routing
         self._queue_timeout_seconds = queue_timeout_seconds
         self._over_share: dict[str, bool] = {}
-        self.reclaimed = 0  # leases dropped unreleased, given back by the garbage collector's backstop
 
     @property
     def router(self) -> RemoteRouting:
@@ -222,10 +221,10 @@ class RemoteAdmission:
         def release(_replica: Replica, outcome: Outcome, ttft_seconds: float | None) -> None:
             send(m.Release(number, outcome.value, ttft_seconds))
 
-        return Lease(replica, release, self._reclaimed, lambda: send(m.FirstToken(number)))
+        def reclaimed(_replica: Replica) -> None:  # dropped unreleased: the decider's ledger counts it (an alert)
+            send(m.Reclaimed(number))
 
-    def _reclaimed(self, replica: Replica) -> None:
-        self.reclaimed += 1
+        return Lease(replica, release, reclaimed, lambda: send(m.FirstToken(number)))
 
     def acquire_idle(self, exclude: frozenset[str], request: RoutingRequest | None, *,
                      tenant: Tenant = DEFAULT_TENANT) -> Lease:
