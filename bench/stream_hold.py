@@ -132,7 +132,8 @@ def rss(proxy: psutil.Process | None) -> int:
 
 
 def cpu(proxy: psutil.Process | None) -> float:
-    return cpu_seconds(proxy) + sum(cpu_seconds(c) for c in proxy.children(recursive=True)) if proxy else 0.0
+    """CPU seconds of a proxy and its live children (a gateway's workers): ``cpu_seconds`` counts both."""
+    return cpu_seconds(proxy)
 
 
 def main() -> None:
