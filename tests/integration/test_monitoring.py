@@ -180,10 +180,11 @@ def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_pa
     assert not empty, empty
 
 
-def _start_batch(gateway: str, lines: int = 4) -> str:
-    """A small batch of chat lines, created now: its id."""
+def _start_batch(gateway: str, lines: int = 16) -> str:
+    """A batch of chat lines, created now: its id. Long enough to be running for several scrapes (its lines yield to
+    the interactive load): a batch of a few short lines ended between two scrapes and left the panels empty."""
     data = "".join(json.dumps({"custom_id": f"panel-{i}", "method": "POST", "url": "/v1/chat/completions",
-                               "body": {"model": "demo", "max_tokens": 8,
+                               "body": {"model": "demo", "max_tokens": 48,
                                         "messages": [{"role": "user", "content": f"Count to {i}."}]}}) + "\n"
                    for i in range(lines))
     uploaded = httpx.post(f"{gateway}/v1/files", files={"file": ("panels.jsonl", data.encode())},
