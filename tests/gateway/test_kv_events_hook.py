@@ -60,23 +60,29 @@ def precise(stubs, demo_model_int8: Path):
         engine.close()
 
 
-def test_a_prompt_goes_where_its_engine_reports_it_cached(precise, stubs):
-    client, engine, model = precise
-    hub = context_of(client.app).gateway.kv_events
-    assert isinstance(hub, KvEventsHub)
-    wait(lambda: hub.usable("replica-1") is not None)  # subscribed at replica-1's port + offset, in step
+def publish_chat_blocks(engine: Engine, hub: KvEventsHub, model: Path) -> None:
+    """replica-1's engine stores CHAT's full blocks (as the model's tokenizer makes them) and says so; returns once
+    the gateway's index holds them."""
+    from vllm.distributed.kv_events import BlockStored
+
     tokenizer = PromptTokenizer(model, threads=1)
     try:
         ids = tokenizer.tokenize(token_job("chat", CHAT))
     finally:
         tokenizer.close()
     keys = BlockHasher("random").keys(ids, 16)
-    from vllm.distributed.kv_events import BlockStored
-
     engine.publish(BlockStored(block_hashes=[k.to_bytes(8, "big") for k in keys], parent_block_hash=None,
                                token_ids=ids[:16 * len(keys)], block_size=16, lora_id=None, medium="GPU",
                                lora_name=None))
     wait(lambda: len(hub.indexes["replica-1"]) == len(keys))
+
+
+def test_a_prompt_goes_where_its_engine_reports_it_cached(precise, stubs):
+    client, engine, model = precise
+    hub = context_of(client.app).gateway.kv_events
+    assert isinstance(hub, KvEventsHub)
+    wait(lambda: hub.usable("replica-1") is not None)  # subscribed at replica-1's port + offset, in step
+    publish_chat_blocks(engine, hub, model)
 
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200, response.text
@@ -103,18 +109,7 @@ def test_with_workers_a_prompt_tokenized_in_a_worker_goes_where_its_engine_repor
             hub = context_of(app).gateway.kv_events
             assert isinstance(hub, KvEventsHub)
             wait(lambda: hub.usable("replica-1") is not None)
-            tokenizer = PromptTokenizer(demo_model_int8, threads=1)
-            try:
-                ids = tokenizer.tokenize(token_job("chat", CHAT))
-            finally:
-                tokenizer.close()
-            keys = BlockHasher("random").keys(ids, 16)
-            from vllm.distributed.kv_events import BlockStored
-
-            engine.publish(BlockStored(block_hashes=[k.to_bytes(8, "big") for k in keys], parent_block_hash=None,
-                                       token_ids=ids[:16 * len(keys)], block_size=16, lora_id=None, medium="GPU",
-                                       lora_name=None))
-            wait(lambda: len(hub.indexes["replica-1"]) == len(keys))
+            publish_chat_blocks(engine, hub, demo_model_int8)
             pool = live.server._workers
             assert pool is not None
             sent = pool.decider
