@@ -31,9 +31,11 @@ from appliance.composition.maintenance import build_maintenance
 from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
+from appliance.gateway.core import Gateway
 from appliance.gateway.intake.limits import BodyBudget, RequestIntake
 from appliance.gateway.tenants.directory import TenantDirectory, present
 from appliance.gateway.tenants.settings import TenantSettings
+from appliance.gateway.workers.metrics import MergedRegistry
 from appliance.http.auth import api_docs_urls
 from appliance.http.credentials import API_KEYS, Credentials, Keyring
 from appliance.http.errors import APIError, install_error_handlers
@@ -67,7 +69,7 @@ def create_app(
     router = gateway.router
     maintenance = build_maintenance(settings, registry=registry, replicas=replicas, data_path=DataPathView(
         in_flight=router.in_flight, loads=router.loads, queue_length=lambda: gateway.admission.queue_length,
-        requests_total=counter_total(gateway.metrics.requests), relayed_at=router.relayed_at,
+        requests_total=requests_total(gateway, registry), relayed_at=router.relayed_at,
         is_ejected=router.ejector.is_ejected),
         stage=fleet.stage if isinstance(fleet, Reconfigurable) else None,
         unstage=fleet.unstage if isinstance(fleet, Reconfigurable) else None)
@@ -153,6 +155,15 @@ def hot_reload(gateway: TenantsOwner, keyring: Keyring, live: LiveState) -> Call
         keyring.rotate(new.credentials, overlap, keep)
         live.replace(live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS}))
     return apply_hot
+
+
+def requests_total(gateway: Gateway, registry: CollectorRegistry) -> Callable[[], float]:
+    """Every request the gateway answered, for maintenance's low-traffic windows: with workers
+    (``gateway.workers``), theirs too, or the decider alone would read an idle gateway under full load."""
+    own = counter_total(gateway.metrics.requests)
+    if not isinstance(registry, MergedRegistry):
+        return own
+    return lambda: own() + registry.others_total("appliance_requests_total")
 
 
 def data_routes(role: str) -> tuple[APIRouter, ...]:

@@ -59,3 +59,21 @@ def test_a_worker_that_left_keeps_its_counts_and_loses_its_gauges() -> None:
     assert value(decider, "appliance_open_streams") == 3
     decider.push(2, snapshot(worker(1, 1, 0.05, 0.1)))  # the new worker 2 counts from 0 again: no fall
     assert value(decider, "appliance_requests_total", code="200") == 16
+
+
+def test_maintenance_counts_the_workers_requests_too() -> None:
+    """Low-traffic windows read the gateway's request count (``appliance.app.requests_total``, what maintenance is
+    given): with workers, the decider answers almost none itself."""
+    from appliance.app import create_app, requests_total
+    from appliance.context import context_of
+    from appliance.settings import Settings
+    from tests.doubles import FakeReplica
+
+    registry = MergedRegistry()
+    app = create_app(Settings(served_model_name="demo"), replicas=lambda: [FakeReplica("replica-0", "http://r0")],
+                     registry=registry)
+    gateway = context_of(app).gateway
+    registry.push(1, snapshot(worker(10, 0, 0.01, 0.1)))
+    registry.push(2, snapshot(worker(5, 0, 0.01, 0.1)))
+    registry.retire(2)
+    assert requests_total(gateway, registry)() == 15  # type: ignore[arg-type]

@@ -57,6 +57,14 @@ class MergedRegistry(CollectorRegistry):
     def push(self, worker: int, payload: bytes) -> None:
         self.workers[worker] = decode(payload)
 
+    def others_total(self, sample_name: str) -> float:
+        """The workers' (and departed workers') samples called ``sample_name``, summed, without collecting this
+        process's own collectors: for readers that add it to their own count often (maintenance's traffic)."""
+        live = sum(value for families in self.workers.values() for _name, _doc, _kind, _unit, samples in families
+                   for name, _labels, value in samples if name == sample_name)
+        return live + sum(value for _doc, _kind, _unit, samples in self.retired.values()
+                          for (name, _labels), value in samples.items() if name == sample_name)
+
     def retire(self, worker: int) -> None:
         """The worker left: its counters and histograms stay in the sums, its gauges go."""
         for name, documentation, kind, unit, samples in self.workers.pop(worker, []):
