@@ -49,6 +49,7 @@ from appliance.gateway.core import Gateway
 from appliance.gateway.intake.connections import GuardedHttpToolsProtocol
 from appliance.gateway.workers.decider import Decider
 from appliance.gateway.workers.metrics import MergedRegistry
+from appliance.gateway.workers.passthrough import DECIDER_KEEP_ALIVE_SECONDS
 from appliance.gateway.workers.pool import WorkerPool, listening_socket
 from appliance.secret_files import SECRET_PAIRS
 from appliance.settings import ConfigError, Settings
@@ -301,7 +302,8 @@ def workers_server(settings: Settings, app: FastAPI, registry: MergedRegistry, l
     ctx.live.reloaded.append(decider.reload)
     pool = WorkerPool(settings.gateway.workers, decider, folder / "decider.sock", folder / "http.sock", listener)
     config = uvicorn.Config(app, uds=str(folder / "http.sock"), log_level=settings.log_level, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=False, **server_options(settings, local=True))
+                            timeout_graceful_shutdown=5, timeout_keep_alive=DECIDER_KEEP_ALIVE_SECONDS,
+                            access_log=False, **server_options(settings, local=True))
 
     def pending(served: FastAPI) -> int:
         """``in_flight``, with the workers' open requests next to this process's own (batch lines)."""
