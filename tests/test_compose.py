@@ -197,6 +197,19 @@ def test_docs_name_one_compose_command() -> None:
     assert offenders == []
 
 
+def test_the_gateways_workers_default_to_one_process_and_dotenv_sets_them(services, monkeypatch) -> None:
+    default = Settings().gateway.workers
+    for name in ("appliance", "appliance-cpu"):
+        assert services[name]["environment"]["APPLIANCE_GATEWAY__WORKERS"] == str(default) == "1"
+    result = _compose_config({**REQUIRED_ENV, "APPLIANCE_GATEWAY__WORKERS": "4"})
+    assert result.returncode == 0, result.stderr
+    for name, service in yaml.safe_load(result.stdout)["services"].items():
+        if name.startswith("appliance"):
+            assert service["environment"]["APPLIANCE_GATEWAY__WORKERS"] == "4", name
+    monkeypatch.setenv("APPLIANCE_GATEWAY__WORKERS", "4")
+    assert Settings().gateway.workers == 4  # a name the appliance reads
+
+
 def test_the_operator_env_file_reaches_the_appliance(tmp_path) -> None:
     """Issue 19: engine and model settings in the operator's env file (APPLIANCE_ENV_FILE) reach the container;
     compose.yaml's fixed list used to drop them (a real Llama served as `demo` with max_model_len 1024)."""

@@ -99,7 +99,8 @@ class GatewaySettings(BaseModel):
         "CPU demo: its engines need the cores). Above 1: that many workers accept the clients' connections and relay "
         "their streams, each on its own core, and the appliance's own process decides for all of them (admission, "
         "routing, tenants' quotas and fair share stay one for the whole gateway; docs/architecture.md, 'Using more "
-        "than one core'). Not with routing.prefix_cache.mode precise or precise-with-fallback yet. Takes a restart."
+        "than one core'; with precise prefix routing, each worker tokenizes its own requests' prompts). Takes a "
+        "restart."
     )
     request_records: int = Field(
         1000, ge=0, description="How many of the last requests the gateway keeps a record of (tenant, admission "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import subprocess
 from typing import Any
@@ -181,3 +182,67 @@ def test_the_configmap_carries_the_model_keys_both_roles_must_agree_on(tmp_path,
     missing = [key for key in sorted(keys) if f"`{key}`" not in doc]
     assert not missing, f"docs/kubernetes.md does not name the ConfigMap's keys {missing}"
     assert "every key of configuration.md" not in doc
+
+
+def _cores(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def gateway_cpu_problems(objects: list[dict[str, Any]]) -> list[str]:
+    """The gateway pod's CPU request against its processes: with N workers the gateway is N workers and the
+    decider, each one event loop that may fill a core, so it requests N + 1 cores; one process needs no more than
+    the base's request."""
+    container = next(c for c in _pod(objects, "Deployment")["containers"] if c["name"] == "gateway")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    if "APPLIANCE_GATEWAY__WORKERS" not in env:
+        return ["the gateway does not say its workers (APPLIANCE_GATEWAY__WORKERS)"]
+    workers = int(env["APPLIANCE_GATEWAY__WORKERS"])
+    cores = _cores(str(container["resources"]["requests"]["cpu"]))
+    if workers > 1 and cores < workers + 1:
+        return [f"{workers} workers and the decider on a request of {cores:g} cores"]
+    return []
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/gpu", "overlays/cpu-demo", "base"])
+def test_the_gateways_cpu_request_covers_its_workers(rendered, overlay, monkeypatch):
+    assert gateway_cpu_problems(rendered[overlay]) == []
+    container = _pod(rendered[overlay], "Deployment")["containers"][0]
+    workers = next(e["value"] for e in container["env"] if e["name"] == "APPLIANCE_GATEWAY__WORKERS")
+    assert workers == "1"  # the demo's engines need the cores; more is the operator's choice (docs/kubernetes.md)
+    monkeypatch.setenv("APPLIANCE_GATEWAY__WORKERS", "3")
+    assert Settings().gateway.workers == 3  # a name the appliance reads
+
+
+@needs_kubectl
+def test_the_gateway_cpu_check_can_fail(rendered):
+    objects = copy.deepcopy(rendered["overlays/gpu"])
+    container = _pod(objects, "Deployment")["containers"][0]
+    next(e for e in container["env"] if e["name"] == "APPLIANCE_GATEWAY__WORKERS")["value"] = "3"
+    assert gateway_cpu_problems(objects) == ["3 workers and the decider on a request of 0.5 cores"]
+    container["resources"]["requests"]["cpu"] = "4"
+    assert gateway_cpu_problems(objects) == []
+    container["env"] = [e for e in container["env"] if e["name"] != "APPLIANCE_GATEWAY__WORKERS"]
+    assert gateway_cpu_problems(objects) == ["the gateway does not say its workers (APPLIANCE_GATEWAY__WORKERS)"]
+
+
+@needs_kubectl
+def test_the_documented_workers_patch_sets_the_workers_and_their_cores(tmp_path):
+    """docs/kubernetes.md's patch, applied by an overlay of the operator's over cpu-demo: the env entry replaces
+    the base's by its name (not a second one), and the request covers the workers."""
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    patch = re.search(r"```yaml\n# gateway-workers\.yaml[^\n]*\n(.*?)```", doc, re.S)
+    assert patch, "docs/kubernetes.md lost its workers patch"
+    (tmp_path / "gateway-workers.yaml").write_text(patch.group(1))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu-demo", tmp_path)],
+        "patches": [{"path": "gateway-workers.yaml"}]}))
+    out = subprocess.run([kubectl, "kustomize", str(tmp_path)], check=True, capture_output=True, text=True)
+    objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    container = _pod(objects, "Deployment")["containers"][0]
+    assert [e["value"] for e in container["env"] if e["name"] == "APPLIANCE_GATEWAY__WORKERS"] == ["3"]
+    assert gateway_cpu_problems(objects) == []
+    assert container["resources"]["requests"]["memory"] == "512Mi"  # the rest of the request is kept
+    for obj in objects:
+        validate(obj)

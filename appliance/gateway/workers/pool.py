@@ -16,14 +16,20 @@ import sys
 import time
 from pathlib import Path
 
-from appliance.gateway.workers.decider import Decider
+from appliance.gateway.workers.decider import Decider, WorkerSession
 from appliance.gateway.workers.messages import Cut
 
 log = logging.getLogger(__name__)
 
 RESTART_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0)  # backoff between a worker's crashes in a row
 STEADY_SECONDS = 30.0  # a worker that ran this long without dying is no longer crashing in a row
-STOP_SECONDS = 10.0  # how long the workers get to end once told to stop, before they are killed
+# How long the workers get to end once told to stop, before they are killed: the drain has already ended their
+# streams, and a worker's own server then waits at most 5 s for its connections (timeout_graceful_shutdown); twice
+# that leaves a busy host room, and bounds what a wedged worker can hold the shutdown (and the engines') for.
+STOP_SECONDS = 10.0
+# After SIGKILL a process ends as soon as the kernel runs it; one that does not within this is stuck in the kernel
+# (uninterruptible I/O), where waiting longer would only hold the decider's shutdown, and the engines' after it.
+REAP_SECONDS = 5.0
 
 
 def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -39,12 +45,14 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
 
 class WorkerPool:
     def __init__(self, count: int, decider: Decider, decider_path: Path, http_path: Path,
-                 listener: socket.socket) -> None:
+                 listener: socket.socket, *, stop_seconds: float = STOP_SECONDS) -> None:
+        """``stop_seconds``: the bound on ``stop``'s wait for the workers, after which they are killed."""
         self.count = count
         self.decider = decider
         self.decider_path = decider_path
         self.http_path = http_path
         self.listener = listener
+        self.stop_seconds = stop_seconds
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.restarts = 0
         self._stopping = False
@@ -100,18 +108,38 @@ class WorkerPool:
         self.decider.broadcast(Cut())
 
     async def stop(self) -> None:
-        """Close every worker's link (each then stops, its streams ended), wait for them, kill what is left."""
+        """Close every worker's link (each then stops, its streams ended), wait for them, kill what is left. The
+        waits are bounded together by ``stop_seconds``: a worker that stopped reading its link (wedged, stopped,
+        its socket's buffer full) would hold the link's drain, and with it the decider's shutdown, forever."""
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
-        for session in list(self.decider.sessions):
-            await session.link.drain()
-            session.link.close()
-        deadline = time.monotonic() + STOP_SECONDS
+        deadline = time.monotonic() + self.stop_seconds
+        await asyncio.gather(*(self._close(session, deadline) for session in list(self.decider.sessions)))
         while self.alive() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for number, process in self.processes.items():
             if process.poll() is None:
-                log.warning("gateway worker %d did not stop within %.0fs; killing it", number, STOP_SECONDS)
+                log.warning("gateway worker %d did not stop within %.0fs; killing it", number, self.stop_seconds)
                 process.kill()
-            process.wait()
+        await self._reap(time.monotonic() + REAP_SECONDS)
+
+    async def _close(self, session: WorkerSession, deadline: float) -> None:
+        """Close one worker's link once what was sent to it has left, or at ``deadline`` if it does not read: each
+        link on its own, so that a wedged worker does not hold the others' stop."""
+        try:
+            await asyncio.wait_for(session.link.drain(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            log.warning("gateway worker %d did not read its link within %.0fs; closing it anyway", session.worker,
+                        self.stop_seconds)
+        except ConnectionError:
+            pass  # the worker is gone already
+        session.link.close()
+
+    async def _reap(self, deadline: float) -> None:
+        """Wait for every worker's exit (so none is left a zombie) without blocking the loop, until ``deadline``."""
+        while self.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for number, process in self.processes.items():
+            if process.poll() is None:
+                log.error("gateway worker %d (pid %d) did not end after SIGKILL; leaving it", number, process.pid)
