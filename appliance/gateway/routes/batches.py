@@ -15,7 +15,8 @@ from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from appliance.context import AppContext, BatchAPI, Context
+from appliance.context import AppContext, Context
+from appliance.context_parts import BatchAPI
 from appliance.http.errors import APIError
 from appliance.http.guards import require_admin, require_api_key
 
