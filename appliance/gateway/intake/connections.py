@@ -54,6 +54,12 @@ def raw_response(status: int, message: str, code: str, headers: dict[str, str] |
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+# Where the server's own ``send`` waits in an HTTP request's scope for a streamed answer's body: past the
+# middleware, each of which wraps ``send`` only to see the response start, a relay's every chunk would otherwise
+# pass through each wrapper's coroutine (appliance/gateway/upstream/client.py).
+SERVER_SEND = "appliance.server_send"
+
+
 class _Throttled:
     """One log line per kind at most every LOG_EVERY_SECONDS, with how many happened since the last one."""
 
@@ -172,6 +178,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # -- requests: the connection cap, and headers that were complete but too large ------------------------------
 
     async def _admit(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[SERVER_SEND] = send
         refused: tuple[int, str, str, dict[str, str]] | None = None  # status, message, code, headers
         if scope["type"] == "http":
             size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(

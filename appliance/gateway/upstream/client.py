@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from appliance.gateway.intake.connections import SERVER_SEND
 from appliance.gateway.upstream.exchange import Exchange
 
 T = TypeVar("T")
@@ -26,8 +27,10 @@ class RelayedStream(StreamingResponse):
         super().__init__(content, **kwargs)
         self.exchange = exchange
         self._on_served = on_served
+        self._body_send: Send | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._body_send = scope.get(SERVER_SEND)
         try:
             await self._stream_until_disconnect(receive, send)
         finally:
@@ -64,6 +67,17 @@ class RelayedStream(StreamingResponse):
         finally:
             done = True
             watcher.cancel()
+
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, with the body's chunks sent by the server's own ``send`` where the intake left it in the
+        scope: the start goes through every middleware (each wraps ``send`` to see the response start), the
+        chunks skip the wrappers, whose one check would cost each chunk a coroutine per layer."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self._body_send or send
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class ClientGone(Exception):
