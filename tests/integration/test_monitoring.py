@@ -16,6 +16,7 @@ import re
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -156,12 +157,13 @@ def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_pa
         response = httpx.post(f"{stack.gateway}/admin/replicas/replica-0/{action}", headers=ADMIN, timeout=10)
         assert response.status_code == 200, response.text
     # Data of its own for the panels that the streamed load does not feed, so that the test does not depend on
-    # what earlier tests sent through the shared appliance: an error by code (404: unknown model) and token
-    # counts (a non-streaming answer carries usage).
+    # what earlier tests sent through the shared appliance: an error by code (404: unknown model), token counts
+    # (a non-streaming answer carries usage) and a KV event batch.
     assert httpx.post(f"{stack.gateway}/v1/completions", json={"model": "no-such-model", "prompt": "x"},
                       timeout=30).status_code == 404
     assert httpx.post(f"{stack.gateway}/v1/completions", json={"model": "demo", "prompt": "The import system",
                                                                "max_tokens": 8}, timeout=60).status_code == 200
+    _store_a_kv_block(stack)
     batch = _start_batch(stack.gateway)  # the batch panels show batches not yet ended: one runs beside the load
     with _load(stack.gateway, clients=3):
         time.sleep(8)
@@ -178,6 +180,19 @@ def test_every_dashboard_panel_returns_live_data_under_load(stack: Stack, tmp_pa
         assert (tmp_path / uid / "index.html").is_file()
     _wait_for_end(stack.gateway, batch)  # the shared appliance is left with no batch running
     assert not empty, empty
+
+
+def _store_a_kv_block(stack: Stack) -> None:
+    """A completion whose new prompt fills a KV-cache block: its engine stores the block and publishes a KV event
+    batch, which the KV event panels (the lag) show. The load's and the batch's prompts fill none (a block is 128
+    tokens on vLLM's CPU build), and an engine publishes only when its cache changes."""
+    sizes = eventually(lambda: [int(s["metric"]["block_size"]) for s in stack.query("vllm:cache_config_info")], 30,
+                       "the engines' KV-cache block size scraped")
+    words = " ".join(["statement"] * (max(sizes) + 16))  # a word is at least one token
+    prompt = f"Panel {uuid.uuid4().hex}: {words}"  # new, so that no cached block makes it a hit
+    response = httpx.post(f"{stack.gateway}/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": 1},
+                          timeout=60)
+    assert response.status_code == 200, response.text
 
 
 def _start_batch(gateway: str, lines: int = 16) -> str:
