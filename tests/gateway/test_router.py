@@ -88,6 +88,47 @@ def test_latency_outlier_is_ejected_but_never_the_last_replica():
     assert not router.health_of("replica-0").ejected
 
 
+def serve(router, replica, ttft: float, times: int = 1) -> None:
+    for _ in range(times):
+        router.outstanding[replica.name] = router.in_flight(replica.name) + 1
+        router.release(replica, Outcome.SUCCESS, ttft)
+
+
+def test_a_peers_reading_from_before_its_restart_does_not_eject_the_replica_that_carried_the_load():
+    """Replica 1 served fast, then was away (restarted) for minutes while replica 0 carried every request, slowly.
+    Back, replica 1's old reading describes a process that no longer exists: replica 0 is not an outlier against
+    it."""
+    router, (r0, r1), clock = make(latency_outlier_factor=3, latency_outlier_min_seconds=0.5,
+                                   latency_outlier_window_seconds=30)
+    serve(router, r0, 0.07, 5)
+    serve(router, r1, 0.07, 5)
+    r1.routable = False  # restarting
+    for _ in range(120):  # two minutes alone: no peer to be an outlier against
+        clock.now += 1
+        serve(router, r0, 0.9)
+    assert not router.health_of("replica-0").ejected
+    r1.routable = True
+    serve(router, r0, 0.9)  # replica 1 is routable again, with its old reading
+    assert not router.health_of("replica-0").ejected
+    clock.now += 1
+    serve(router, r1, 0.07, 10)  # fresh readings from both now: a real outlier is one again
+    serve(router, r0, 0.9)
+    assert router.health_of("replica-0").ejected
+
+
+def test_a_replicas_own_old_average_is_not_carried_into_its_new_readings():
+    router, (r0, r1), clock = make(latency_outlier_factor=3, latency_outlier_min_seconds=0.5,
+                                   latency_outlier_window_seconds=30)
+    serve(router, r1, 0.1, 5)
+    serve(router, r0, 5.0, 3)  # slow, then away long enough to be another process
+    assert router.health_of("replica-0").ejected
+    router.health_of("replica-0").ejected_until = None  # back in rotation
+    clock.now += 60
+    serve(router, r1, 0.1)
+    serve(router, r0, 0.1)
+    assert router.health_of("replica-0").ttft_ewma == 0.1 and not router.health_of("replica-0").ejected
+
+
 def fail_until_ejected(router, replica, clock=None) -> None:
     while not router.health_of(replica.name).ejected:
         router.outstanding[replica.name] = router.in_flight(replica.name) + 1

@@ -34,6 +34,7 @@ class ReplicaHealth:
     ejected_until: float | None = None  # monotonic; None = in rotation
     reason: str = ""
     ttft_ewma: float | None = None
+    ttft_at: float | None = None  # monotonic: the average's last sample
 
     @property
     def ejected(self) -> bool:
@@ -118,6 +119,14 @@ class Ejector:
             health.ejected_until = None
             self.eject(name, f"probe failed after: {health.reason}")
 
+    def _fresh(self, health: ReplicaHealth, now: float) -> float | None:
+        """A replica's TTFT average while it still describes the replica: one without a sample for
+        ``latency_outlier_window_seconds`` may have been restarted, redeployed or drained since (a new process, an
+        empty cache), and a peer's old reading would make whoever carried the load meanwhile look like an outlier."""
+        if health.ttft_at is None or now - health.ttft_at > self.routing.latency_outlier_window_seconds:
+            return None
+        return health.ttft_ewma
+
     def _decay(self, health: ReplicaHealth) -> None:
         """Halve the strikes once per full healthy period the replica spent in rotation since its last return."""
         if health.in_rotation_since is None:
@@ -128,9 +137,11 @@ class Ejector:
 
     def _record_ttft(self, name: str, health: ReplicaHealth, ttft: float, peers: Iterable[str]) -> None:
         a = self.TTFT_EWMA_ALPHA
-        health.ttft_ewma = ttft if health.ttft_ewma is None else (1 - a) * health.ttft_ewma + a * ttft
-        readings = [self.health_of(p).ttft_ewma for p in peers if p != name]
-        others = [o for o in readings if o is not None]
+        now = self._clock()
+        fresh = self._fresh(health, now)
+        health.ttft_ewma = (1 - a) * fresh + a * ttft if fresh is not None else ttft
+        health.ttft_at = now
+        others = [o for o in (self._fresh(self.health_of(p), now) for p in peers if p != name) if o is not None]
         if not others:
             return  # an outlier needs peers to be an outlier against; never eject the last replica
         median = statistics.median(others)

@@ -121,6 +121,11 @@ class RoutingSettings(BaseModel):
     latency_outlier_min_seconds: float = Field(
         0.5, ge=0, description="...and exceeds the peers' median by at least this much (ignores tiny values)."
     )
+    latency_outlier_window_seconds: float = Field(
+        30.0, gt=0, description="A replica's TTFT average counts (its own, and as a peer's) only while its last "
+        "sample is this recent: a replica that served nothing for longer may have restarted since, and its old "
+        "reading would make the replica that carried the load meanwhile look like an outlier."
+    )
     metrics_poll_seconds: float = Field(
         1.0, gt=0, description="How often each engine's /metrics is read for KV-cache usage and queue length."
     )
