@@ -208,7 +208,8 @@ def main() -> None:
     parser.add_argument("--vllm-router", default=shutil.which("vllm-router") or
                         ("/tmp/vr-venv/bin/vllm-router" if Path("/tmp/vr-venv/bin/vllm-router").exists() else None))
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
-    parser.add_argument("--paths", default="direct,gateway,vllm-router", help="which paths to measure")
+    parser.add_argument("--paths", default="direct,gateway,vllm-router",
+                        help="which paths to measure; also: bare (bench/bare_relay.py, the gateway's libraries alone)")
     parser.add_argument("--compare-tree", metavar="DIR",
                         help="also measure the gateway of another source tree (e.g. a `git worktree` of the "
                              "commit before a change), as path gateway-other, in the same alternating rounds")
@@ -226,6 +227,7 @@ def main() -> None:
     proxy_cores, load_cores = split_cores(not args.no_pin)
     logs = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     stub_port, gateway_port, router_port = args.base_port, args.base_port + 10, args.base_port + 20
+    bare_port = args.base_port + 30
     paths = {"direct": f"http://127.0.0.1:{stub_port}"}
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -257,6 +259,11 @@ def main() -> None:
             paths[name] = f"http://127.0.0.1:{port}"
         for name in gateways:
             wait_ok(f"{paths[name]}/health/ready", procs[name], timeout=120, interval=0.5)
+        if "bare" in wanted:
+            procs["bare"] = start([sys.executable, str(ROOT / "bench" / "bare_relay.py"), str(bare_port),
+                                   paths["direct"]], {}, logs / "bare.log", proxy_cores)
+            paths["bare"] = f"http://127.0.0.1:{bare_port}"
+            wait_ok(f"{paths['bare']}/v1/models", procs["bare"], timeout=60, interval=0.5)
         if "vllm-router" in wanted and args.vllm_router:
             procs["vllm-router"] = start([args.vllm_router, "--port", str(router_port), "--worker-urls",
                                           paths["direct"], "--policy", "round_robin", "--log-level", "warning"], {},
@@ -363,6 +370,10 @@ def report(samples: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     if "gateway" in added and "vllm-router" in added:
         print(f"gateway added / vllm-router added (TTFT p50): {added['gateway']:.1f} / {added['vllm-router']:.1f} ms "
               f"= {added['gateway'] / added['vllm-router'] if added['vllm-router'] else float('inf'):.2f}")
+    cpu_ratios = [(a, b) for a, b in (("gateway", "vllm-router"), ("gateway", "bare"), ("bare", "vllm-router"))
+                  if a in samples and b in samples]
+    for a, b in cpu_ratios:  # bare (bench/bare_relay.py): the gateway's libraries and nothing else
+        print(f"proxy CPU per event, {a} / {b}: {med(a, 'cpu_ms_per_k') / med(b, 'cpu_ms_per_k'):.2f}")
     for name in samples:
         if samples[name] and "lag_mean_ms" in samples[name][0] and med(name, "lag_mean_ms") == med(name, "lag_mean_ms"):
             # NaN where the tree has no such metric (a --compare-tree from before it)
