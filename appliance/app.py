@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Protocol
 
 from fastapi import APIRouter, FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -27,21 +26,20 @@ from appliance import status, version
 from appliance.collectors import register_collectors
 from appliance.composition.batch import build_batch, upload_limits
 from appliance.composition.gateway import build_gateway
+from appliance.composition.hot_reload import hot_reload
 from appliance.composition.maintenance import build_maintenance
 from appliance.context import AppContext, LiveState
 from appliance.engine.contract import Fleet, Reconfigurable, Replica
 from appliance.gateway import routes as gateway_routes
 from appliance.gateway.core import Gateway
 from appliance.gateway.intake.limits import BodyBudget, RequestIntake
-from appliance.gateway.tenants.directory import TenantDirectory, present
-from appliance.gateway.tenants.settings import TenantSettings
 from appliance.gateway.workers.metrics import MergedRegistry
 from appliance.http.auth import api_docs_urls
-from appliance.http.credentials import API_KEYS, Credentials, Keyring
+from appliance.http.credentials import Keyring
 from appliance.http.errors import APIError, install_error_handlers
 from appliance.maintenance import routes as maintenance_routes
 from appliance.maintenance.errors import MaintenanceError, ReplicaNotFound
-from appliance.maintenance.reload import HOT_KEYS, InvalidConfig
+from appliance.maintenance.reload import InvalidConfig
 from appliance.maintenance.service import DataPathView
 from appliance.maintenance.traffic import counter_total
 from appliance.settings import Settings
@@ -134,29 +132,6 @@ def create_app(
     return app
 
 
-class TenantsOwner(Protocol):
-    """Whoever keeps a tenant directory that a reload updates (the gateway, or a worker's request path)."""
-
-    @property
-    def tenants(self) -> TenantDirectory: ...
-
-    def update_tenants(self, tenants: Iterable[TenantSettings], flat_keys: Iterable[str], *,
-                       overlap_seconds: float = 0.0) -> list[str]: ...
-
-
-def hot_reload(gateway: TenantsOwner, keyring: Keyring, live: LiveState) -> Callable[[Settings], None]:
-    """``appliance reload`` of tenants, keys and tokens, at once: the gateway's directory, quotas and accounting,
-    and the keyring the credential checks read. A replaced secret stays valid for ``gateway.secret_overlap_seconds``;
-    a removed tenant's keys do not."""
-    def apply_hot(new: Settings) -> None:
-        overlap = new.gateway.secret_overlap_seconds
-        keep = rotated_not_revoked(keyring.current(), gateway.tenants, new)
-        gateway.update_tenants(new.tenants, new.gateway.api_keys, overlap_seconds=overlap)
-        keyring.rotate(new.credentials, overlap, keep)
-        live.replace(live.settings.replaced({key: new.value_at(key) for key in HOT_KEYS}))
-    return apply_hot
-
-
 def requests_total(gateway: Gateway, registry: CollectorRegistry) -> Callable[[], float]:
     """Every request the gateway answered, for maintenance's low-traffic windows: with workers
     (``gateway.workers``), theirs too, or the decider alone would read an idle gateway under full load."""
@@ -172,16 +147,6 @@ def data_routes(role: str) -> tuple[APIRouter, ...]:
     if role == "node":
         return tuple(route for route in gateway_routes.ROUTERS if route not in gateway_routes.CLIENT_ROUTERS)
     return gateway_routes.ROUTERS
-
-
-def rotated_not_revoked(before: Credentials, directory: TenantDirectory, new: Settings) -> Callable[[str, str], bool]:
-    """Which replaced secrets a reload to ``new`` keeps for the overlap window: every token; an API key only while
-    its tenant (as ``directory`` knows it before the reload) is still configured, since a removed tenant's keys are
-    revoked, not rotated."""
-    owner = {key: tenant.name for key in {*before.current(API_KEYS), *(r.value for r in before.retired)}
-             if (tenant := directory.identify(key)) is not None}
-    still = present(new.tenants, new.gateway.api_keys)
-    return lambda role, value: role != API_KEYS or owner.get(value) in still
 
 
 def maintenance_api_error(exc: Exception) -> APIError:

@@ -25,10 +25,10 @@ from fastapi.responses import Response
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from appliance.app import hot_reload
 from appliance.collectors.host import GatewayCpu
 from appliance.composition.batch import upload_limits
 from appliance.composition.gateway import RequestPath, request_path, shape_breaker
+from appliance.composition.hot_reload import hot_reload
 from appliance.context import LiveState, WorkerContext
 from appliance.gateway.intake.limits import BodyBudget, RequestIntake
 from appliance.gateway.migration.hook import Migration

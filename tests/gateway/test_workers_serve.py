@@ -173,7 +173,7 @@ def test_a_worker_serves_its_inherited_port_as_the_tcp_socket_it_is() -> None:
     """The event loop sets TCP_NODELAY on the connections of a TCP server only: served as a Unix socket (what
     uvicorn's fd option assumes), the clients' small writes waited on Nagle's algorithm (~40 ms per first token)."""
     from appliance.gateway.workers.pool import listening_socket
-    from appliance.gateway.workers.worker import inherited_listener
+    from appliance.serve_worker import inherited_listener
 
     listener = listening_socket("127.0.0.1", 0)
     try:

@@ -67,7 +67,7 @@ class WorkerPool:
 
     def _spawn(self, number: int) -> None:
         fd = self.listener.fileno()
-        command = [sys.executable, "-m", "appliance.gateway.workers.worker", "--decider", str(self.decider_path),
+        command = [sys.executable, "-m", "appliance.serve_worker", "--decider", str(self.decider_path),
                    "--http", str(self.http_path), "--worker", str(number), "--fd", str(fd)]
         self.processes[number] = subprocess.Popen(command, pass_fds=(fd,), env=os.environ.copy())
         log.info("gateway worker %d started, pid %d", number, self.processes[number].pid)

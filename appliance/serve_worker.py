@@ -1,6 +1,6 @@
 """One worker process, started by the decider's pool (``appliance.gateway.workers.pool``):
 
-    python -m appliance.gateway.workers.worker --decider SOCKET --http SOCKET --worker N --fd FD
+    python -m appliance.serve_worker --decider SOCKET --http SOCKET --worker N --fd FD
 
 It joins the decider (``--decider``), which sends the settings; builds its app (``composition.worker``); and
 serves the clients' connections on the listening socket it inherited (``--fd``: the decider bound the port once,
