@@ -67,6 +67,7 @@ def test_bench_counts_and_percentiles_agree_with_the_engines_histograms(applianc
                                # The engines busy both cores of a CI machine: tolerate the client being scheduled
                                # late (the comparison below is at bucket resolution anyway).
                                "--max-lag-ms", "1000")
+        assert (out / "bench.json").exists(), result.stdout + result.stderr  # a bench that wrote nothing says why
         report = json.loads((out / "bench.json").read_text())
         if report["valid"]:
             break
@@ -98,6 +99,7 @@ def test_capacity_search_finds_a_concurrency_on_the_demo_model(appliance, demo_m
                            # (CI saw a P99 loop lag of 561 ms); the SLO here (2 s) is far above such lags, and a
                            # batch the client could not drive anyway is re-run (--client-retries).
                            "--max-lag-ms", "1000")
+    assert (tmp_path / "capacity.json").exists(), result.stdout + result.stderr
     report = json.loads((tmp_path / "capacity.json").read_text())
     found = report["result"]["max_concurrency"]
     assert result.returncode == (0 if report["result"]["verdict"] in ("met", "capped") else 1), result.stderr
