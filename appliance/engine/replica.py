@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 from appliance.engine.contract import ReplicaState, ReplicaStatus
 from appliance.engine.environment import engine_base_env
@@ -28,6 +27,7 @@ from appliance.engine.launch import GRACE_ENV, PARENT_ENV
 from appliance.engine.logs import EngineLogPump
 from appliance.engine.placement import Placement
 from appliance.engine.ports import tree_listens_on
+from appliance.engine.process_tree import abort_processes, describe_tree
 
 log = logging.getLogger(__name__)
 
@@ -415,45 +415,3 @@ class SupervisedReplica:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
-
-
-def abort_processes(root_pid: int, *, server: bool) -> None:
-    """SIGABRT to the launcher's (``root_pid``'s) children, the server (``server``), or to every process below
-    them (not ``server``); the launcher itself is never signalled."""
-    try:
-        root = psutil.Process(root_pid)
-        tree = root.children(recursive=True)
-    except psutil.Error:
-        return
-    depth = {root_pid: 0}
-    for process in tree:  # psutil lists a parent before its children
-        with contextlib.suppress(psutil.Error):
-            depth[process.pid] = depth.get(process.ppid(), 0) + 1
-    for process in tree:
-        if (depth.get(process.pid, 1) == 1) == server:
-            with contextlib.suppress(psutil.Error):
-                process.send_signal(signal.SIGABRT)
-
-
-def describe_tree(root_pid: int) -> list[str]:
-    """Each process of an engine's tree with its state and where the kernel has it wait: what a hung start leaves
-    in the logs for whoever finds out why."""
-    try:
-        root = psutil.Process(root_pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return [f"pid {root_pid} gone"]
-    described = []
-    for process in processes:
-        try:
-            with process.oneshot():
-                command = " ".join(process.cmdline()[:4])
-                state, threads = process.status(), process.num_threads()
-        except psutil.Error:
-            continue
-        try:
-            wchan = Path(f"/proc/{process.pid}/wchan").read_text().strip() or "-"
-        except OSError:
-            wchan = "?"
-        described.append(f"pid {process.pid} {state} in {wchan}, {threads} thread(s): {command}")
-    return described

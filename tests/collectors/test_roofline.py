@@ -221,7 +221,7 @@ def _absent():
 
 def test_roofline_and_planner_read_the_same_shape(tmp_path: Path) -> None:
     """One reader: the collector's KV bytes per token are the planner's, for auto and fp8 caches alike."""
-    from appliance.loadtest.plan import kv_bytes_per_token as planned
+    from appliance.loadtest.footprint import kv_bytes_per_token as planned
     from appliance.loadtest.plan import load_shape
 
     config = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,

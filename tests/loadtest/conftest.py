@@ -1,8 +1,11 @@
-"""Fixtures for the load tester's tests: fake engines (tests/fake_engine.py) on 127.0.0.1, stopped after each test."""
+"""Fixtures for the load tester's tests: fake engines (tests/fake_engine.py) on 127.0.0.1, stopped after each test;
+Meta-Llama-3-8B's config.json for the planner's."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,3 +32,20 @@ def stub_server() -> Iterator[Callable[..., FakeEngine]]:
     yield start
     for engine in engines:
         engine.stop()
+
+
+# Meta-Llama-3-8B's published config.json (the fields memory depends on, as published).
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def llama_config(tmp_path: Path) -> Path:
+    path = tmp_path / "Meta-Llama-3-8B" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(LLAMA3_8B))
+    return path

@@ -8,74 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from appliance.loadtest.footprint import GIB, param_count, weight_bytes
 from appliance.loadtest.plan import (
-    GIB,
     KNOWN_SHAPES,
     PlanError,
     PlanInputs,
     default_batched_tokens,
-    kv_bytes_per_token,
     load_shape,
     make_plan,
-    param_count,
     render_plan,
     shape_from_config,
-    weight_bytes,
 )
 from tests.loadtest.support import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Meta-Llama-3-8B's published config.json (the fields memory depends on, as published).
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 8192, "tie_word_embeddings": False, "attention_bias": False,
-    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-}
-
-# By hand: embeddings and LM head 128256 x 4096 each; per layer q and o 4096 x 4096, k and v 4096 x 1024
-# (8 KV heads x 128), MLP 3 x 4096 x 14336, two norms of 4096; one final norm.
-EMBED = 128256 * 4096  # 525,336,576
-ATTN_PER_LAYER = 2 * 4096 * 4096 + 2 * 4096 * 1024  # 41,943,040
-MLP_PER_LAYER = 3 * 4096 * 14336  # 176,160,768
-NORMS = 32 * 2 * 4096 + 4096
-TOTAL = 2 * EMBED + 32 * (ATTN_PER_LAYER + MLP_PER_LAYER) + NORMS
-
-
-@pytest.fixture
-def llama_config(tmp_path: Path) -> Path:
-    path = tmp_path / "Meta-Llama-3-8B" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(LLAMA3_8B))
-    return path
-
-
-def test_llama3_8b_parameters(llama_config: Path) -> None:
-    shape = load_shape(llama_config, None)
-    assert shape.head_dim == 128 and shape.num_kv_heads == 8
-    params = param_count(shape)
-    assert TOTAL == 8_030_261_248  # the published 8.03 B
-    assert params.total == TOTAL
-    assert params.embedding == params.lm_head == EMBED
-    assert params.attention == 32 * ATTN_PER_LAYER and params.mlp == 32 * MLP_PER_LAYER
-
-
-def test_llama3_8b_weight_bytes(llama_config: Path) -> None:
-    shape = load_shape(llama_config, None)
-    assert weight_bytes(shape, "bf16") == TOTAL * 2 == 16_060_522_496
-    linear = 32 * (ATTN_PER_LAYER + MLP_PER_LAYER)
-    out_channels = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # q k v o gate up down
-    expected_int8 = linear * 1 + out_channels * 4 + (TOTAL - linear) * 2  # fp32 scales; embeddings/head/norms BF16
-    assert weight_bytes(shape, "int8") == expected_int8 == 9_086_705_664
-
-
-def test_llama3_8b_kv_bytes_per_token(llama_config: Path) -> None:
-    shape = load_shape(llama_config, None)
-    assert kv_bytes_per_token(shape, "bf16") == 32 * 8 * 128 * 2 * 2 == 131072
-    assert kv_bytes_per_token(shape, "fp8") == 65536
-    assert kv_bytes_per_token(shape, "bf16", tensor_parallel_size=2) == 65536
-    assert kv_bytes_per_token(shape, "bf16", tensor_parallel_size=16) == 32 * 1 * 128 * 2 * 2  # heads replicated
 
 
 def test_llama3_8b_plan_on_80_gib(llama_config: Path) -> None:
