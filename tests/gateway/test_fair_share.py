@@ -401,6 +401,9 @@ async def storm(rng: random.Random, case: int, fair: bool) -> None:
             admission.on_poll()
         await settle()
         assert admission.queue_length <= max_queue, f"case {case} step {step}"
+        waiting = sum(1 for task in tasks if not task.done())
+        assert admission.queue_length == waiting, f"case {case} step {step}: {admission.queue_length} queued"
+        assert sum(admission.tenant_queued(t.name) for t in tenants) == waiting, f"case {case} step {step}"
         newly = []
         for task in [task for task in tasks if task.done()]:
             tenant = tasks.pop(task)

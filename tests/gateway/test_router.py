@@ -34,6 +34,17 @@ def test_only_routable_replicas_under_their_limit():
     assert router.try_acquire() is None  # b is at its limit of 1
 
 
+def test_has_room_answers_what_try_acquire_would_without_taking_a_slot():
+    replicas = [FakeReplica("a", "http://a", routable=False), FakeReplica("b", "http://b"), FakeReplica("c", "http://c")]
+    router = Router(lambda: replicas, limit_for=lambda _name: 1)
+    assert router.has_room() and router.has_room({"b"}) and not router.has_room({"b", "c"})  # a: not routable
+    assert router.in_flight() == 0
+    assert router.try_acquire() is replicas[1]
+    assert router.has_room() and not router.has_room({"c"})
+    assert router.try_acquire() is replicas[2]
+    assert not router.has_room() and router.try_acquire() is None
+
+
 def test_a_replica_out_of_routing_is_read_while_it_has_requests_in_flight():
     """A draining replica's engine keeps working on its requests: its counters are read until the last one ends
     (the tenants' reconciliation counts that work), then no more."""

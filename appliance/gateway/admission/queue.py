@@ -81,7 +81,9 @@ class Admission:
         # Called when a request arrives (not background work): batch work holds back its next lines (appliance.batch).
         self.on_arrival: Callable[[], None] | None = None
         self._clock = clock
-        self._queues: dict[str, deque[_Waiter]] = {}  # per tenant, oldest first
+        # Per tenant, oldest first; only waiters still waiting (each leaves its queue as its future is settled), and
+        # no empty queue: counting and ordering the waiters costs nothing per waiter on every release.
+        self._queues: dict[str, deque[_Waiter]] = {}
         self._seq = itertools.count()
         self._held: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> leases held
         self._prefilling: dict[str, Counter[str]] = defaultdict(Counter)  # tenant -> replica -> held, no first token
@@ -97,11 +99,12 @@ class Admission:
 
     @property
     def queue_length(self) -> int:
-        return sum(self.tenant_queued(name) for name in self._queues)
+        return sum(len(queue) for queue in self._queues.values())
 
     def tenant_queued(self, name: str) -> int:
         """Requests of tenant ``name`` waiting in the queue."""
-        return sum(1 for entry in self._queues.get(name, ()) if not entry.future.done())
+        queue = self._queues.get(name)
+        return len(queue) if queue is not None else 0
 
     def tenant_in_flight(self, name: str, replica: str | None = None) -> int:
         """Leases tenant ``name`` holds (at one replica, or at all)."""
@@ -207,11 +210,11 @@ class Admission:
             async with asyncio.timeout(self.queue_timeout_seconds):
                 return await asyncio.shield(waiter)
         except TimeoutError:
-            self._abandon(waiter)
+            self._abandon(entry)
             self.rejected["queue_timeout"] += 1
             raise self._overloaded(f"waited {self.queue_timeout_seconds:.0f}s in the gateway queue") from None
         except asyncio.CancelledError:  # the client went away while queued
-            self._abandon(waiter)
+            self._abandon(entry)
             raise
 
     # -- background work (batch lines): idle capacity only --------------------------------------------------------
@@ -269,15 +272,25 @@ class Admission:
     def _withdraw(self, entry: _Waiter) -> None:
         """A request refused before it waited leaves the queue (nothing was handed to it)."""
         entry.future.cancel()
-        queue = self._queues.get(entry.tenant.name)
-        if queue is not None and entry in queue:
-            queue.remove(entry)
+        self._leave(entry)
 
-    def _abandon(self, waiter: asyncio.Future[Lease]) -> None:
+    def _abandon(self, entry: _Waiter) -> None:
         """The waiter leaves the queue; a lease handed to it at the last moment goes back."""
+        waiter = entry.future
         if waiter.done() and not waiter.cancelled():
             waiter.result().release(Outcome.ABORTED)
         waiter.cancel()
+        self._leave(entry)
+
+    def _leave(self, entry: _Waiter) -> None:
+        """``entry`` is out of its tenant's queue, and a queue left empty is gone."""
+        queue = self._queues.get(entry.tenant.name)
+        if queue is None:
+            return
+        if entry in queue:
+            queue.remove(entry)
+        if not queue:
+            del self._queues[entry.tenant.name]
 
     def try_lease(self, exclude: frozenset[str], request: RoutingRequest | None, *,
                   tenant: Tenant = DEFAULT_TENANT) -> Lease | None:
@@ -355,48 +368,44 @@ class Admission:
         """Give free capacity to waiters in fair order, each within its exclusions and its tenant's share: a
         waiter that may not take what is free keeps its place, and the next one is served. Served one at a time,
         the order recomputed after each (a dispatch moves its tenant back)."""
-        self._prune()
-        while any(self._serve_one(group) for group in self._groups()):
+        while self._queues and any(self._serve_one(group) for group in self._groups()):
             pass
 
-    def _serve_one(self, group: list[_Waiter]) -> bool:
-        """Serve the first waiter of ``group`` that can be served; True if one was. A waiter with no exclusion
-        that cannot be served means none after it in its group can (same tenant's share, same free room)."""
-        if self.fair_share and group:
-            queued = self._queued()
-            full = frozenset(r.name for r in self.router.replicas() if self._at_share(group[0].tenant, r.name, queued))
-        else:
-            full = frozenset()
+    def _serve_one(self, group: Iterable[_Waiter]) -> bool:
+        """Serve the first waiter of ``group`` that can be served; True if one was (and then stop reading
+        ``group``: serving it changed the queue). A waiter with no exclusion that cannot be served means none after it
+        in its group can (same tenant's share, same free room)."""
+        full: frozenset[str] | None = None  # the replicas where the group's tenant holds its share: one per group
         for entry in group:
-            if entry.future.done():
+            if not self.router.has_room(entry.exclude):  # no share to work out: nothing to take
+                if not entry.exclude:
+                    return False
                 continue
+            if full is None:
+                full = self._at_share_replicas(entry.tenant) if self.fair_share else frozenset()
             lease = self.try_lease(entry.exclude | full, entry.request, tenant=entry.tenant)
             if lease is None:
                 if not entry.exclude:
                     return False
                 continue
-            self._queues[entry.tenant.name].remove(entry)
+            self._leave(entry)
             self.virtual.charge(entry.tenant.name, DISPATCH_COST, self._tenant(entry.tenant.name).weight)
             entry.future.set_result(lease)
             return True
         return False
 
-    def _groups(self) -> list[list[_Waiter]]:
-        """The waiters in serving order: per tenant (FIFO), tenants by priority then least virtual time; or, fair
-        share off, all of them in one FIFO group."""
-        if not self.fair_share:
-            return [list(heapq.merge(*self._queues.values(), key=lambda entry: entry.seq))]
-        waiting = [(name, queue) for name, queue in self._queues.items() if queue]
-        waiting.sort(key=lambda item: (-self._tenant(item[0]).priority, self.virtual.of(item[0]), item[1][0].seq))
-        return [list(queue) for _, queue in waiting]
+    def _at_share_replicas(self, tenant: Tenant) -> frozenset[str]:
+        queued = self._queued()
+        return frozenset(r.name for r in self.router.replicas() if self._at_share(tenant, r.name, queued))
 
-    def _prune(self) -> None:
-        for name in list(self._queues):
-            queue = self._queues[name]
-            while queue and queue[0].future.done():
-                queue.popleft()
-            if not any(not entry.future.done() for entry in queue):
-                del self._queues[name]
+    def _groups(self) -> list[Iterable[_Waiter]]:
+        """The waiters in serving order, read in place (no copy per release): per tenant (FIFO), tenants by
+        priority then least virtual time; or, fair share off, all of them in one FIFO group."""
+        if not self.fair_share:
+            return [heapq.merge(*self._queues.values(), key=lambda entry: entry.seq)]
+        waiting = sorted(self._queues.items(),
+                         key=lambda item: (-self._tenant(item[0]).priority, self.virtual.of(item[0]), item[1][0].seq))
+        return [queue for _, queue in waiting]
 
     def _at_share(self, tenant: Tenant, replica: str, queued: dict[str, int]) -> bool:
         """``tenant`` holds its share of ``replica`` while others want it (alone, only the replica's limit counts),

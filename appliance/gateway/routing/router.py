@@ -112,6 +112,11 @@ class Router:
     def any_eligible(self, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return bool(self.eligible(exclude))
 
+    def has_room(self, exclude: Collection[str] = frozenset()) -> bool:
+        """Whether a replica outside ``exclude`` would take a request now: ``try_acquire``'s first check, without
+        the decision (the queue asks it before working out a tenant's share, which a full fleet makes moot)."""
+        return bool(passing(self._replicas(), self, exclude))
+
     def capacity_expected(self) -> bool:
         """A replica is down for a planned restart and will be back: worth queueing for, not a 503."""
         return any(r.status.planned_restart for r in self._replicas())
