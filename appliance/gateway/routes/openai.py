@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from appliance.context import ClientContext, ClientCtx
+from appliance.gateway.routes.direct import PARSED_BODY, DirectRoute
 from appliance.gateway.routing.request import render_chat, render_completion
 from appliance.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from appliance.http.errors import APIError
@@ -24,16 +25,20 @@ async def list_models(ctx: ClientCtx) -> ModelList:
     return ModelList(data=[card])
 
 
-@router.post("/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: ClientCtx) -> Response:
     _check_common(ctx, body, body.max_tokens)
     return await _forward(ctx, request, "completions", "/v1/completions", body.stream, render_completion(body.prompt))
 
 
-@router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: ClientCtx) -> Response:
     _check_common(ctx, body, body.max_completion_tokens or body.max_tokens)
     return await _forward(ctx, request, "chat", "/v1/chat/completions", body.stream, render_chat(body.messages))
+
+
+# DirectRoutes (appliance/gateway/routes/direct.py): documented from these signatures like any route, handled without
+# FastAPI's per-request dependency solving, with the same answers.
+router.add_api_route("/completions", completions, methods=["POST"], route_class_override=DirectRoute)
+router.add_api_route("/chat/completions", chat_completions, methods=["POST"], route_class_override=DirectRoute)
 
 
 def _check_common(ctx: ClientContext, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
@@ -54,4 +59,4 @@ async def _forward(ctx: ClientContext, request: Request, route: str, path: str, 
     arrived = request.scope.get("appliance.arrived", time.monotonic())
     body = await request.body()  # cached by Starlette: the exact bytes the client sent
     return await ctx.gateway.upstream.forward(request, route, path, body, stream=stream, arrived=arrived,
-                                              prompt=prompt)
+                                              prompt=prompt, parsed=request.scope.pop(PARSED_BODY, None))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -53,7 +53,13 @@ class Exchange:
     migration_limit: int = 0  # continuations and re-runs this request may be given (0: none)
     migrations: int = 0  # continuations and re-runs it was given
     usage: Usage | None = None  # what the engines reported, every leg (None: no report yet)
+    # ``body`` as the route parsed it, given to the exchange to own (None: parsed on first use; see ``parsed``)
+    parsed_body: InitVar[dict[str, Any] | None] = None
     _parsed: Any = field(default=None, repr=False)  # the body as JSON, once parsed (see ``parsed``)
+
+    def __post_init__(self, parsed_body: dict[str, Any] | None) -> None:
+        if parsed_body is not None:
+            self._parsed = parsed_body
 
     def parsed(self) -> dict[str, Any] | None:
         """The client's body as a JSON object, parsed once for every hook that reads it (None: not an object).

@@ -14,6 +14,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import aiohttp
 from fastapi import Request
@@ -119,12 +120,16 @@ class Upstream:
     # -- one request ----------------------------------------------------------------------------------------------
 
     async def forward(self, request: Request, route: str, path: str, body: bytes, *, stream: bool,
-                      arrived: float, prompt: str | None = None, background: bool = False) -> Response:
-        """``background``: batch work (appliance.batch), admitted on idle capacity only and never queued."""
+                      arrived: float, prompt: str | None = None, background: bool = False,
+                      parsed: dict[str, Any] | None = None) -> Response:
+        """``background``: batch work (appliance.batch), admitted on idle capacity only and never queued.
+        ``parsed``: ``body`` as the caller parsed it, given away (the hooks read and change it), so it is not
+        parsed twice; None: parsed here when a hook first reads it."""
         exchange = Exchange(route=route, path=path, body=body, stream=stream, arrived=arrived,
                             headers={k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))},
                             request=request, routing=RoutingRequest(prompt or ""),
-                            tenant=getattr(request.state, "tenant", DEFAULT_TENANT), background=background)
+                            tenant=getattr(request.state, "tenant", DEFAULT_TENANT), background=background,
+                            parsed_body=parsed)
         self._open.add(exchange)
         try:
             exchange.hooks = HookChain([h for hook in self.hooks if (h := hook.start(exchange)) is not None])
