@@ -281,8 +281,9 @@ def main() -> None:
         for round_index in range(args.rounds):
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in order:
-                before = cpu_seconds(proxies.get(name))
+                # the gateway's own /metrics scrape (the loop-lag reading) before its CPU is read, not inside the round
                 lag_before = loop_lag(paths[name]) if name.startswith("gateway") else (0.0, 0.0, 0.0)
+                before = cpu_seconds(proxies.get(name))
                 sample = asyncio.run(one_round(paths[name], args, args.requests, offset))
                 offset += args.concurrency * args.requests
                 sample["cpu_ms_per_k"] = (1000 * (cpu_seconds(proxies.get(name)) - before)
