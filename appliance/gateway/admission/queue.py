@@ -284,13 +284,11 @@ class Admission:
 
     def _leave(self, entry: _Waiter) -> None:
         """``entry`` is out of its tenant's queue, and a queue left empty is gone."""
-        queue = self._queues.get(entry.tenant.name)
-        if queue is None:
-            return
+        queue = self._queues.get(entry.tenant.name, deque())
         if entry in queue:
             queue.remove(entry)
         if not queue:
-            del self._queues[entry.tenant.name]
+            self._queues.pop(entry.tenant.name, None)
 
     def try_lease(self, exclude: frozenset[str], request: RoutingRequest | None, *,
                   tenant: Tenant = DEFAULT_TENANT) -> Lease | None:
