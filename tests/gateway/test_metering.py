@@ -146,8 +146,8 @@ def test_a_request_that_reached_no_engine_is_refunded_whole() -> None:
 
 @pytest.mark.parametrize("status", [499, 504])
 def test_a_non_streaming_request_left_or_timed_out_at_an_engine_is_charged_its_reservation(status: int) -> None:
-    """Its engine's progress is never seen (the answer comes in one piece at the end): the whole reservation,
-    counted as estimated."""
+    """Its engine's progress is never seen (the answer comes in one piece at the end), and no stream ran on its
+    replica to tell the engine's pace: the whole reservation, counted as estimated."""
     metering, registry = meter(Tenant("team-a", tokens_per_minute=CAPACITY))
     ex = exchange({"prompt": "x" * 40, "max_tokens": 100})
     hooks = chain(ex, metering.start(ex))
@@ -156,6 +156,40 @@ def test_a_non_streaming_request_left_or_timed_out_at_an_engine_is_charged_its_r
     hooks.finished(end(status, Outcome.ABORTED))
     assert level(metering) == CAPACITY - 110
     assert tokens(registry, "estimated") == 110 and tokens(registry, "prompt") == 0
+
+
+def test_a_non_streaming_request_left_at_an_engine_is_charged_what_its_replicas_streams_say_it_made() -> None:
+    """A stream on replica-0 made 10 tokens a second, its first token 0.5 s after its dispatch. A non-streaming
+    request there, left 2.5 s after its dispatch, is charged its prompt and 2 s of that pace for each of its
+    sequences, as estimated, and its quota settled to that; on replica-1, where no stream ran, its whole
+    reservation; never more than its reservation; before the first token, its prompt."""
+    metering, registry = meter(Tenant("team-a", tokens_per_minute=CAPACITY))
+    stream = exchange({"prompt": "x" * 40, "max_tokens": 100, "stream": True})
+    hooks = chain(stream, metering.start(stream))
+    begin(stream)
+    stream.dispatched = 99.5
+    relay(hooks, [running_chunk("a", 9, 1)], at=100.0)
+    relay(hooks, [running_chunk("b", 9, 11)], at=101.0)
+    relay(hooks, [usage_event(9, 11), DONE], at=101.0)
+    hooks.finished(end(at=101.0))
+    charged = CAPACITY - level(metering)
+
+    def left(replica: str, seconds: float, max_tokens: int = 100, n: int = 1) -> float:
+        ex = exchange({"prompt": "x" * 40, "max_tokens": max_tokens, "n": n})
+        hooks = chain(ex, metering.start(ex))
+        hooks.arrived()
+        begin(ex, replica)
+        ex.dispatched = 200.0
+        before = tokens(registry, "estimated") or 0
+        hooks.finished(end(499, Outcome.ABORTED, at=200.0 + seconds))
+        return (tokens(registry, "estimated") or 0) - before
+
+    assert left("replica-0", 2.5) == 10 + 20
+    assert CAPACITY - level(metering) == charged + 30  # the quota settled to the estimate
+    assert left("replica-0", 2.5, n=2) == 10 + 40
+    assert left("replica-1", 2.5) == 10 + 100
+    assert left("replica-0", 30.0, max_tokens=50) == 10 + 50
+    assert left("replica-0", 0.2) == 10
 
 
 def test_an_engine_failure_before_any_answer_costs_the_tenant_nothing() -> None:

@@ -12,16 +12,18 @@ is settled:
 - a leg that ended without one (its client left, its engine broke off, a continuation took over): the last
   running usage the engine sent, and, when the client left, the tokens the engine made between the last chunk the
   gateway read and the abort (``tail_tokens``: the leg's own rate over that gap);
-- a non-streaming request that reached an engine but got no answer because its client left or it timed out: the
-  engine's progress cannot be seen, so its whole reservation (docs/tenants.md says why);
+- a non-streaming request that reached an engine but got no answer because its client left or it timed out: its
+  engine's progress cannot be seen, so its prompt and what its replica's recent streams say the engine made in the
+  time it had (``progress.EngineProgress``), within its reservation; its whole reservation when no stream ran
+  there lately (docs/tenants.md says why);
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
 Each replica's share of what was charged (every leg's report and estimate go to the replica that did that leg)
 is told to the reconciliation (``tenants.reconcile``), which compares it with that engine's own counters.
 
 Engine-reported tokens count as ``prompt`` / ``completion``; the gateway's estimates (the tail, a non-streaming
-request's reservation, the prompt of a stream left before its first chunk) as ``estimated``. The quota is settled
-to their sum, fair share is charged the same.
+request's estimate or reservation, the prompt of a stream left before its first chunk) as ``estimated``. The
+quota is settled to their sum, fair share is charged the same.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from appliance.gateway.routing.router import Outcome
 from appliance.gateway.tenants.accounting import TenantAccounting
 from appliance.gateway.tenants.cost import request_cost
 from appliance.gateway.tenants.fingerprint import EngineKey, Fingerprint, Fingerprints, engine_key
+from appliance.gateway.tenants.progress import EngineProgress
 from appliance.gateway.tenants.quota import Cost, Quotas, Refusal
 from appliance.gateway.tenants.quota_store import StoreUnavailable, limits_of
 from appliance.gateway.tenants.reconcile import Reconciliation
@@ -66,7 +69,7 @@ class Metering:
 
     def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: AdmissionState,
                  max_model_len: int | None = None, reconciliation: ChargeLedger | None = None,
-                 shared: QuotaStore | None = None) -> None:
+                 shared: QuotaStore | None = None, progress: EngineProgress | None = None) -> None:
         """``shared``: quota buckets outside this process, the store shared by several gateways or a worker's
         decider (None: ``quotas``, this process's buckets)."""
         self.accounting = accounting
@@ -77,6 +80,8 @@ class Metering:
         self.fingerprints = Fingerprints(lambda: [replica.name for replica in admission.router.replicas()])
         self.max_model_len = max_model_len
         self.reconciliation = reconciliation if reconciliation is not None else Reconciliation()
+        # What the streams show of each replica's progress, for the non-streaming answers that show none
+        self.progress = progress if progress is not None else EngineProgress()
 
     def start(self, exchange: Exchange) -> MeteredRequest:
         body = exchange.parsed()
@@ -228,9 +233,17 @@ class MeteredRequest(RequestHook):
             placed = self.placed.get(replica)
             self.placed[replica] = usage if placed is None else placed + usage
 
+    def _learn(self, running: RunningUsage) -> None:
+        """A stream leg's progress, told to the estimate of answers that show none (one sequence's rate)."""
+        rate = running.rate()
+        if self.leg is not None and rate is not None and running.first_at is not None:
+            self.meter.progress.learned(self.leg, rate / max(1, running.sequences),
+                                        running.first_at - self.exchange.dispatched)
+
     def _close_leg(self) -> None:
         running = self.running
         if running is not None and running.seen:
+            self._learn(running)
             leg = running.usage(self._n())
             self.legs = self.legs + leg
             self._place(self.leg, leg)
@@ -240,8 +253,11 @@ class MeteredRequest(RequestHook):
         """The gateway's estimate of work no engine reported (nothing: none to add), as prompt and completion."""
         exchange = self.exchange
         if not exchange.stream:
-            unseen = exchange.usage is None and end.status in UNSEEN_STATUSES
-            return Usage(self.cost.prompt, self.cost.completion) if unseen else Usage()
+            if exchange.usage is not None or end.status not in UNSEEN_STATUSES:
+                return Usage()
+            made = (None if self.leg is None else
+                    self.meter.progress.completion(self.leg, self.cost.requests, end.at - exchange.dispatched))
+            return Usage(self.cost.prompt, self.cost.completion if made is None else min(self.cost.completion, made))
         if end.status != CLIENT_GONE:
             return Usage()
         running = self.running
@@ -274,6 +290,8 @@ class MeteredRequest(RequestHook):
                     self._place(self.leg, Usage.of(final["usage"]))
                     if self.engine is not None:
                         self.meter.fingerprints.learn(self.engine, Fingerprint.of(final))
+                    if self.running is not None:
+                        self._learn(self.running)
                     self.running = RunningUsage(self.cost.requests)  # this leg is accounted for
                     raw = b""
         if raw and self.running is not None:
