@@ -47,3 +47,11 @@ def test_the_soak_judges_the_gateways_memory_beyond_its_prefix_index(monkeypatch
     leaking = soak.summarize(rows(rss_end=130e6, index_end=20e6), warmup_s=0, soak=run)
     assert leaking["rss_growth_beyond_prefix_index"] == pytest.approx(0.10)
     assert not leaking["pass"]["rss_growth_beyond_prefix_index_below_5pct"]
+
+
+def test_the_relay_hooks_bench_drives_the_request_path_as_the_gateway_builds_it(monkeypatch):
+    """It reaches into the transport (``admit``, the response headers): a change there breaks it here. Its streams
+    end as the gateway's do, every slot given back."""
+    relay_hooks = load_bench(BENCH / "relay_hooks.py", monkeypatch)
+    per_request, per_read = relay_hooks.measure(tokens=4, requests=3)
+    assert per_request > 0 and per_read > 0

@@ -26,6 +26,8 @@ from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.usage import Usage
 from appliance.gateway.upstream.hook import Attempt, HookChain, RequestHook
 
+NO_HOOKS = HookChain(())  # read-only: a chain holds tuples
+
 
 @dataclass(eq=False)  # one object per request, compared and hashed by identity (the transport's open set)
 class Exchange:
@@ -41,7 +43,7 @@ class Exchange:
     routing: RoutingRequest
     tenant: Tenant = DEFAULT_TENANT  # whose request (the API key's tenant; appliance.gateway.tenants)
     background: bool = False  # batch work (appliance.batch): idle capacity only, never queued
-    hooks: HookChain = field(default_factory=lambda: HookChain(()))
+    hooks: HookChain = NO_HOOKS  # until the transport starts the request's own (one chain per request, not two)
     trace: RequestTrace = UNTRACED  # the request's spans (the observation hook's; untraced without it)
     tried: set[str] = field(default_factory=set)
     dispatched: float = 0.0  # monotonic: when the current attempt's replica was assigned
