@@ -43,6 +43,8 @@ KEYS = {phase: f"{phase.replace(' ', '-')}-key-0123456789" for phase in PHASES}
 TENANT = {phase: phase.replace(" ", "-") for phase in PHASES}
 METRICS_TOKEN = "bench-metrics-token"
 KINDS = ("prompt", "completion", "estimated")
+ENGINE_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+SIDES = ("prompt", "completion")  # the reconciliation's kinds, each against its engine counter above
 
 
 def prompt(rng: random.Random, index: int) -> str:
@@ -111,10 +113,17 @@ def scrape(url: str, names: tuple[str, ...], headers: dict[str, str] | None = No
 
 
 def totals(gateway: str, engine: str) -> dict[str, float]:
-    tenants = scrape(gateway + "/metrics", ("appliance_tenant_tokens_total",),
+    """The engine's counters (both kinds, and each), each tenant's charges by kind, and the reconciliation's
+    tenants' side (charges split into prompt and completion, estimates included: one replica, so all of them)."""
+    tenants = scrape(gateway + "/metrics", ("appliance_tenant_tokens_total",
+                                            "appliance_tenant_reconciled_tokens_total"),
                      {"authorization": f"Bearer {METRICS_TOKEN}"})
-    got = {"engine": sum(scrape(engine + "/metrics", ("vllm:prompt_tokens_total",
-                                                       "vllm:generation_tokens_total")).values())}
+    counters = scrape(engine + "/metrics", ENGINE_COUNTERS)
+    got = {"engine": sum(counters.values())}
+    for side, name in zip(SIDES, ENGINE_COUNTERS, strict=True):
+        got[f"engine/{side}"] = sum(v for k, v in counters.items() if k.startswith(name))
+        got[f"charged/{side}"] = sum(v for k, v in tenants.items() if k.startswith(
+            "appliance_tenant_reconciled_tokens_total") and f'kind="{side}"' in k and 'side="tenants"' in k)
     for phase in PHASES:
         for kind in KINDS:
             got[f"{phase}/{kind}"] = tenants.get(
@@ -135,6 +144,17 @@ def report(rows: list[tuple[str, int, dict[str, float]]]) -> None:
               f"{ratio:>6.2f} {reported / engine if engine else float('nan'):>13.2f}")
     print("ratio: charged (prompt + completion + estimated) / engine (prompt + generation tokens); "
           "reported only: without the gateway's estimates")
+    print(f"\n{'phase':<14} {'engine prompt':>13} {'charged':>8} {'ratio':>6} {'engine gen':>10} {'charged':>8} "
+          f"{'ratio':>6}")
+    for name, _, delta in rows:
+        cells = []
+        for side in SIDES:
+            engine, charged = delta[f"engine/{side}"], delta[f"charged/{side}"]
+            cells.append(f"{engine:>{13 if side == 'prompt' else 10}.0f} {charged:>8.0f} "
+                         f"{charged / engine if engine else float('nan'):>6.2f}")
+        print(f"{name:<14} {' '.join(cells)}")
+    print("per side: the tenants' charges split as the reconciliation counts them (estimates in their side) against "
+          "vllm:prompt_tokens_total and vllm:generation_tokens_total")
 
 
 def main() -> None:
