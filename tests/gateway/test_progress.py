@@ -3,7 +3,7 @@ token of recent legs, and the estimate it gives a request whose progress was nev
 
 from __future__ import annotations
 
-from appliance.gateway.tenants.progress import RECENT_SECONDS, WEIGHT, EngineProgress
+from appliance.gateway.tenants.progress import PROMPT_WEIGHT, RECENT_SECONDS, WEIGHT, EngineProgress
 from tests.doubles import FakeClock
 
 
@@ -44,3 +44,18 @@ def test_a_leg_without_a_pace_teaches_nothing() -> None:
     progress.learned("replica-0", rate=0.0, first_token=0.5)
     progress.learned("replica-0", rate=10.0, first_token=-1.0)  # a clock that went back
     assert progress.completion("replica-0", sequences=1, seconds=2.5) is None
+
+
+def test_a_prompt_s_estimate_is_scaled_as_engines_counted_the_estimated_prompts_before_it() -> None:
+    """Nothing counted yet: the estimate as it is. Then the engines' count over the gateway's estimate, both kept
+    as moving sums, so a long prompt weighs more than a short one."""
+    progress = EngineProgress(FakeClock())
+    assert progress.prompt(100) == 100
+    progress.prompt_counted(estimated=100, counted=120)
+    assert progress.prompt(50) == 60
+    progress.prompt_counted(estimated=1000, counted=1000)
+    estimated, counted = 100 + PROMPT_WEIGHT * 900, 120 + PROMPT_WEIGHT * 880
+    assert progress.prompt(1000) == round(1000 * counted / estimated)
+    progress.prompt_counted(estimated=0, counted=5)  # nothing to compare: no change
+    assert progress.prompt(1000) == round(1000 * counted / estimated)
+    assert progress.prompt(1) >= 1

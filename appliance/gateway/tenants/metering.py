@@ -13,9 +13,10 @@ is settled:
   running usage the engine sent, and, when the client left, the tokens the engine made between the last chunk the
   gateway read and the abort (``tail_tokens``: the leg's own rate over that gap);
 - a non-streaming request that reached an engine but got no answer because its client left or it timed out: its
-  engine's progress cannot be seen, so its prompt and what its replica's recent streams say the engine made in the
-  time it had (``progress.EngineProgress``), within its reservation; its whole reservation when no stream ran
-  there lately (docs/tenants.md says why);
+  engine's progress cannot be seen, so its prompt (the gateway's estimate, scaled as engines counted the prompts it
+  estimated before) and what its replica's recent streams say the engine made in the time it had
+  (``progress.EngineProgress``), within its reservation; its whole reservation when no stream ran there lately
+  (docs/tenants.md says why);
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
 Each replica's share of what was charged (every leg's report and estimate go to the replica that did that leg)
@@ -211,6 +212,8 @@ class MeteredRequest(RequestHook):
         reported = (exchange.usage or Usage()) + self.legs
         if reported.total or reported.cached_prompt:
             meter.accounting.used(tenant.name, reported)
+        if len(exchange.attempts) == 1:  # a continuation's prompt holds the tokens sent: not the one estimated
+            meter.progress.prompt_counted(self.cost.prompt, reported.prompt)
         if estimated:
             meter.accounting.estimated(tenant.name, estimated)
         used = reported.total + estimated
@@ -257,12 +260,14 @@ class MeteredRequest(RequestHook):
                 return Usage()
             made = (None if self.leg is None else
                     self.meter.progress.completion(self.leg, self.cost.requests, end.at - exchange.dispatched))
-            return Usage(self.cost.prompt, self.cost.completion if made is None else min(self.cost.completion, made))
+            return Usage(self.meter.progress.prompt(self.cost.prompt),
+                         self.cost.completion if made is None else min(self.cost.completion, made))
         if end.status != CLIENT_GONE:
             return Usage()
         running = self.running
         if running is None or not running.seen:
-            return Usage() if self.legs.total or exchange.usage is not None else Usage(self.cost.prompt)
+            return (Usage() if self.legs.total or exchange.usage is not None
+                    else Usage(self.meter.progress.prompt(self.cost.prompt)))
         done = (exchange.usage or Usage()).completion + self.legs.completion + running.usage(self._n()).completion
         return Usage(completion=tail_tokens(running, end.at, max(0, self.cost.completion - done)))
 
