@@ -27,7 +27,8 @@ from dataclasses import dataclass
 RECENT_SECONDS = 60.0  # a replica's readings older than this say little of its load now: no estimate from them
 WEIGHT = 0.2  # each new leg's share of a replica's average: a few legs move it, one odd leg does not
 # Each answer's share of the prompts' moving sums: the tokens per character of a tenants' text change slowly, and
-# one prompt's count is off by several percent either way (measured: +-10% on the demo engine), so about twenty
+# one prompt's count is off by several percent either way (measured: +-10% on the demo engine), so about the
+# last twenty answers make the ratio
 PROMPT_WEIGHT = 0.05
 
 
