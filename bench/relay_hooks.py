@@ -3,11 +3,12 @@ as the composition root builds it (every hook in its order, admission, routing),
 with vLLM's bytes from the tests' fake engine, one event per read (a gateway that keeps up with its engines reads
 each token as it comes).
 
-It prints microseconds per request for the decisions (the exchange built, the hooks started and checked, a slot
-taken and the attempt begun, the request's headers, the end) and per read for the relay (framing, the block, every
-relay hook), best of the rounds: the two numbers bench/stream_overhead.py finds above the bare relay, measured
-here without the noise of a shared machine, so that a change to the hooks can be compared side by side
-(``--compare-tree DIR`` runs the same in another checkout, alternating). Numbers, never assertions.
+It prints microseconds per request for the decisions up to the first byte (the exchange built, the hooks started
+and checked, a slot taken and the attempt begun, the request's headers) and per read for the relay, which is the
+transport's own (``Upstream._relay``: framing, the block, every relay hook, and the request's end spread over its
+reads: the slot given back, every hook's end), best of the rounds: the two numbers bench/stream_overhead.py finds
+above the bare relay, measured here without the noise of a shared machine, so that a change can be compared side by
+side (``--compare-tree DIR`` runs the same in another checkout, alternating). Numbers, never assertions.
 
     .venv/bin/python bench/relay_hooks.py [--tokens 64] [--requests 400] [--rounds 7] [--compare-tree DIR]
 """
@@ -21,23 +22,39 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+class EngineResponse:
+    """What the relay reads of an engine's answer: its events, one read each; released or closed when settled."""
+
+    def __init__(self, events: list[bytes]) -> None:
+        self.content = self
+        self._events = events
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for event in self._events:
+            yield event
+
+    def release(self) -> None:
+        pass
+
+    close = release
+
+
 def measure(tokens: int, requests: int) -> tuple[float, float]:
-    """(µs per request of the decisions, µs per read of the relay) for ``requests`` streams of ``tokens``."""
+    """(µs per request up to the first byte, µs per read of the relay) for ``requests`` streams of ``tokens``."""
     from prometheus_client import CollectorRegistry
     from starlette.requests import Request
 
     from appliance.composition.gateway import build_gateway
     from appliance.gateway.routing.request import RoutingRequest
-    from appliance.gateway.routing.router import Outcome
     from appliance.gateway.upstream.exchange import Exchange
-    from appliance.gateway.upstream.hook import Block, End, HookChain
-    from appliance.gateway.upstream.sse import SSEEvents
+    from appliance.gateway.upstream.hook import HookChain
     from appliance.settings import Settings
     from tests.doubles import FakeReplica
     from tests.fake_engine import FakeEngine
@@ -74,22 +91,12 @@ def measure(tokens: int, requests: int) -> tuple[float, float]:
         middle = time.perf_counter()
         if events is None:  # the engine's bytes for the body as the hooks rewrote it (ids, usage asked for)
             events = engine.stream_events(json.loads(exchange.body))
-        hooks, frames = exchange.hooks, SSEEvents() if exchange.hooks.frames else None
-        relay_started = time.perf_counter()
-        for chunk in events:
-            now = time.monotonic()
-            admission.router.note_relayed(replica)
-            block_bytes = chunk if frames is None else frames.feed_block(chunk)
-            block = Block(block_bytes, block_bytes, now, block_bytes.count(b"data: "))
-            hooks.relayed(block)
-        hooks.leg_closed()
-        hooks.held()
-        relay_ended = time.perf_counter()
-        exchange.settle(Outcome.SUCCESS, 0.01)
-        exchange.hooks.finished(End(200, Outcome.SUCCESS, True, time.monotonic()))
+        exchange.upstream = EngineResponse(events)  # type: ignore[assignment]
+        async for _ in upstream._relay(exchange):  # the transport's own relay, the request's end included
+            pass
         ended = time.perf_counter()
-        decisions += (middle - started) + (ended - relay_ended)
-        relay += relay_ended - relay_started
+        decisions += middle - started
+        relay += ended - middle
 
     async def run() -> None:
         for _ in range(requests):
