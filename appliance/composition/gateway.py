@@ -66,7 +66,8 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     ratios = quotas.ratios if shared is None else lambda: shared.ratios(tenants.tenants())
     accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=ratios)
     accounting.configure(tenant.name for tenant in tenants.tenants())
-    reconciliation = Reconciliation()
+    reconciliation = Reconciliation(accounting.estimated, hold_seconds=settings.gateway.unseen_hold_seconds,
+                                    open_legs=router.in_flight)
     registry.register(reconciliation)
     tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
     records = RequestRecords(settings.gateway.request_records)

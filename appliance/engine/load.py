@@ -36,6 +36,7 @@ class EngineLoad:
     running: float | None = None
     prompt_tokens_total: float | None = None  # counters: rates are taken by whoever needs them
     generation_tokens_total: float | None = None
+    finished_total: float | None = None  # sequences the engine finished (vllm:request_success_total; not aborted)
     read_at: float = -math.inf  # monotonic
     kv_capacity_tokens: float | None = None  # num_gpu_blocks x block_size (vllm:cache_config_info's labels)
     # What the engine's guard says vLLM's scheduler runs (None: it says nothing); from the page's headers, not its
@@ -49,6 +50,7 @@ WANTED = {
     b"vllm:num_requests_running": "running",
     b"vllm:prompt_tokens_total": "prompt_tokens_total",
     b"vllm:generation_tokens_total": "generation_tokens_total",
+    b"vllm:request_success_total": "finished_total",
 }
 
 

@@ -87,7 +87,15 @@ class QuotaStore(Protocol):
 class ChargeLedger(Protocol):
     """Where the tokens charged per replica go, to be reconciled with the engines' own counters."""
 
-    def charged(self, name: str, prompt: int, completion: int) -> None: ...
+    def charged(self, name: str, prompt: int, completion: int, finished: int = 0) -> None:
+        """Tokens an engine reported for a tenant's work on replica ``name`` (prompt once per sequence), and the
+        sequences among them it finished."""
+        ...
+
+    def unseen(self, name: str, tenant: str, n: int, prompt: int, completion: int, room: int) -> None:
+        """Work on replica ``name`` no engine reported, as the gateway estimated it, to be charged to ``tenant``
+        (as estimated, or as the engine counted it once the replica comes to rest)."""
+        ...
 
 
 class RecordSink(Protocol):

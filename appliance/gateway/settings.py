@@ -107,6 +107,13 @@ class GatewaySettings(BaseModel):
         "wait, the routing decision explained, retries, migrations, TTFT, end), in memory, for GET /admin/requests "
         "and `appliance requests`; about 2 KB each. 0 keeps none (the view is off)."
     )
+    unseen_hold_seconds: float = Field(
+        30.0, ge=0, le=3600, description="How long the estimate of work no engine reported (a non-streaming answer "
+        "whose client left or timed out, a stream's unread tail) waits for its replica to come to rest, to be "
+        "charged to its tenant as the engine's own counters say instead (docs/tenants.md, 'Work no engine "
+        "reported'). A tenant's token counters lag such work by at most this long; quotas and fair share take the "
+        "estimate at once. 0: charged as estimated at once."
+    )
 
     @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")
     @classmethod

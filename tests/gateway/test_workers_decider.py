@@ -23,7 +23,7 @@ from appliance.gateway.tenants.directory import Tenant
 from appliance.gateway.tenants.quota import Cost, Quotas, Refusal
 from appliance.gateway.tenants.reconcile import Reconciliation
 from appliance.gateway.workers.decider import Decider
-from appliance.gateway.workers.remote import DeciderClient, RemoteAdmission, RemoteQuotas, RemoteRecords
+from appliance.gateway.workers.remote import DeciderClient, RemoteAdmission, RemoteLedger, RemoteQuotas, RemoteRecords
 from appliance.http.errors import APIError
 from tests.doubles import FakeReplica
 
@@ -209,6 +209,24 @@ def test_a_record_reaches_the_deciders_ring_whole() -> None:
         RemoteRecords(client.link, True).add(record)
         await until(lambda: len(setup.records) == 1)
         assert setup.records.get("r1") == record.to_json()
+        await client.close()
+    run(scenario)
+
+
+def test_charges_and_unseen_work_reach_the_deciders_reconciliation() -> None:
+    """The worker's reports (with the sequences their engine finished) and its estimates of unseen work, charged
+    to the tenant by the decider (there held for no rest: charged as estimated at once)."""
+    async def scenario(setup: Setup) -> None:
+        charges: list[tuple[str, int]] = []
+        setup.decider.reconciliation.charge = lambda tenant, tokens: charges.append((tenant, tokens))
+        client, _ = await setup.worker(1)
+        ledger = RemoteLedger(client.link)
+        ledger.charged("replica-0", 12, 5, finished=2)
+        ledger.unseen("replica-0", "a", 2, 20, 7, 40)
+        await until(lambda: bool(charges))
+        assert charges == [("a", 17)]
+        assert setup.decider.reconciliation.tenants["replica-0"] == [32, 12]
+        assert setup.decider.reconciliation.finished["replica-0"] == [0, 2]
         await client.close()
     run(scenario)
 

@@ -19,12 +19,16 @@ is settled:
   (docs/tenants.md says why);
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
-Each replica's share of what was charged (every leg's report and estimate go to the replica that did that leg)
-is told to the reconciliation (``tenants.reconcile``), which compares it with that engine's own counters.
+Each replica's share of what was charged (every leg's report goes to the replica that did that leg, with the
+sequences its engine finished) is told to the reconciliation (``tenants.reconcile``), which compares it with that
+engine's own counters. So is the estimate, on the replica of the leg it stands for: the reconciliation charges it
+to the tenant, as estimated or, once that replica comes to rest, as its share of what the engine counted
+(``tenants.settlement``).
 
-Engine-reported tokens count as ``prompt`` / ``completion``; the gateway's estimates (the tail, a non-streaming
-request's estimate or reservation, the prompt of a stream left before its first chunk) as ``estimated``. The
-quota is settled to their sum, fair share is charged the same.
+Engine-reported tokens count as ``prompt`` / ``completion``; the work no engine reported (the tail, a
+non-streaming request's estimate or reservation, the prompt of a stream left before its first chunk) as
+``estimated``. The quota is settled to the reports plus the estimate at the request's end, fair share is charged
+the same.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ class Metering:
         # What each engine writes as its fingerprint: its streams' finishing chunks need not wait for the usage event
         self.fingerprints = Fingerprints(lambda: [replica.name for replica in admission.router.replicas()])
         self.max_model_len = max_model_len
-        self.reconciliation = reconciliation if reconciliation is not None else Reconciliation()
+        self.reconciliation = (reconciliation if reconciliation is not None
+                               else Reconciliation(accounting.estimated))
         # What the streams show of each replica's progress, for the non-streaming answers that show none
         self.progress = progress if progress is not None else EngineProgress()
 
@@ -119,7 +124,7 @@ class MeteredRequest(RequestHook):
     """One request's metering."""
 
     __slots__ = ("meter", "exchange", "cost", "plan", "hidden", "reservation", "running", "legs", "first",
-                 "frames", "leg", "placed", "engine")
+                 "frames", "leg", "placed", "engine", "finished_on")
 
     def __init__(self, meter: Metering, exchange: Exchange, cost: Cost, plan: UsagePlan | None) -> None:
         self.meter = meter
@@ -135,6 +140,7 @@ class MeteredRequest(RequestHook):
         self.frames = exchange.stream  # reading the usage events, and hiding them, needs whole events
         self.leg: str | None = None  # the replica of the leg ``running`` reads
         self.placed: dict[str, Usage] = {}  # replica -> the usage reported (or run) there, every leg
+        self.finished_on: dict[str, int] = {}  # replica -> sequences its engine finished (their usage came back)
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -207,34 +213,46 @@ class MeteredRequest(RequestHook):
                 self.reservation.refund()
             return
         unreported = self._unreported(end)
-        estimated = unreported.total
+        estimated = unreported.total if unreported is not None else 0
         self._close_leg()
         reported = (exchange.usage or Usage()) + self.legs
         if reported.total or reported.cached_prompt:
             meter.accounting.used(tenant.name, reported)
         if len(exchange.attempts) == 1:  # a continuation's prompt holds the tokens sent: not the one estimated
             meter.progress.prompt_counted(self.cost.prompt, reported.prompt)
-        if estimated:
-            meter.accounting.estimated(tenant.name, estimated)
         used = reported.total + estimated
         if self.reservation is not None:
             self.reservation.settle(used)
         if used:
             meter.admission.charge(tenant, used)
-        self._reconcile(unreported)
+        self._reconcile(unreported, reported)
 
-    def _reconcile(self, unreported: Usage) -> None:
-        """Each replica's share of the charge, its prompts once per sequence as its engine counts them; the
-        estimate goes to the last leg's replica, the one whose work it stands for."""
-        self._place(self.leg, unreported)
-        n = self._n()
-        for replica, usage in self.placed.items():
-            self.meter.reconciliation.charged(replica, usage.prompt * n, usage.completion)
+    def _reconcile(self, unreported: Usage | None, reported: Usage) -> None:
+        """Each replica's share of the reports, its prompts once per sequence as its engine counts them, and the
+        sequences it finished; the estimate goes to the last leg's replica, the one whose work it stands for,
+        which charges the tenant (``reconcile.Reconciliation.unseen``)."""
+        n, ledger = self._n(), self.meter.reconciliation
+        for replica in self.placed.keys() | self.finished_on.keys():
+            usage = self.placed.get(replica, Usage())
+            ledger.charged(replica, usage.prompt * n, usage.completion, self.finished_on.get(replica, 0))
+        if unreported is None:
+            return
+        if self.leg is None:
+            self.meter.accounting.estimated(self.exchange.tenant.name, unreported.total)
+            return
+        room = max(unreported.completion, self.cost.completion - reported.completion)
+        ledger.unseen(self.leg, self.exchange.tenant.name, n, unreported.prompt * n, unreported.completion, room)
 
     def _place(self, replica: str | None, usage: Usage | None) -> None:
         if replica is not None and usage is not None and usage.total:
             placed = self.placed.get(replica)
             self.placed[replica] = usage if placed is None else placed + usage
+
+    def _finished(self) -> None:
+        """The current leg's engine finished its sequences (its usage came back): the reconciliation checks the
+        engine counted those and no others before trusting its counters for unseen work."""
+        if self.leg is not None:
+            self.finished_on[self.leg] = self.finished_on.get(self.leg, 0) + self.cost.requests
 
     def _learn(self, running: RunningUsage) -> None:
         """A stream leg's progress, told to the estimate of answers that show none (one sequence's rate)."""
@@ -252,22 +270,24 @@ class MeteredRequest(RequestHook):
             self._place(self.leg, leg)
             self.running = RunningUsage(self.cost.requests)
 
-    def _unreported(self, end: End) -> Usage:
-        """The gateway's estimate of work no engine reported (nothing: none to add), as prompt and completion."""
+    def _unreported(self, end: End) -> Usage | None:
+        """The gateway's estimate of work no engine reported, as prompt and completion: None where the engine
+        reported all of it; an estimate (0 where nothing shows) where it may have done more than it said."""
         exchange = self.exchange
         if not exchange.stream:
             if exchange.usage is not None or end.status not in UNSEEN_STATUSES:
-                return Usage()
+                return None
             made = (None if self.leg is None else
                     self.meter.progress.completion(self.leg, self.cost.requests, end.at - exchange.dispatched))
             return Usage(self.meter.progress.prompt(self.cost.prompt),
                          self.cost.completion if made is None else min(self.cost.completion, made))
         if end.status != CLIENT_GONE:
-            return Usage()
+            return None
         running = self.running
         if running is None or not running.seen:
-            return (Usage() if self.legs.total or exchange.usage is not None
-                    else Usage(self.meter.progress.prompt(self.cost.prompt)))
+            if exchange.usage is not None:
+                return None  # left after its engine's final report: nothing unseen
+            return Usage() if self.legs.total else Usage(self.meter.progress.prompt(self.cost.prompt))
         done = (exchange.usage or Usage()).completion + self.legs.completion + running.usage(self._n()).completion
         return Usage(completion=tail_tokens(running, end.at, max(0, self.cost.completion - done)))
 
@@ -286,6 +306,8 @@ class MeteredRequest(RequestHook):
             block.usage = usage
             self.exchange.reported(usage)
             self._place(self.leg, Usage.of(usage))
+            if usage is not None:
+                self._finished()
             return
         raw = block.raw
         if FINAL_USAGE in raw:
@@ -293,6 +315,7 @@ class MeteredRequest(RequestHook):
                 if (final := final_usage(event)) is not None:
                     self.exchange.reported(final["usage"])  # as the engine reported it, every leg
                     self._place(self.leg, Usage.of(final["usage"]))
+                    self._finished()
                     if self.engine is not None:
                         self.meter.fingerprints.learn(self.engine, Fingerprint.of(final))
                     if self.running is not None:

@@ -23,59 +23,201 @@ difference left, a small share of a busy window, and an alert only fires on a dr
 window. Every request through the gateway is some tenant's (the default tenant's without keys; batch lines their
 batch's tenant), and the gateway's own probes ask for no tokens; what reaches an engine around the gateway (a
 shared external engine's other clients) shows as drift, as it should.
+
+Work the gateway never saw (a non-streaming answer left or timed out, a stream's unread tail) is charged from an
+estimate. Held for up to ``hold_seconds`` on its replica (``unseen``), it is charged instead as the engine counted
+it when the replica next comes to rest (``settlement``): then both sides meet exactly, and the tenants' counters hold
+what the engines did. ``appliance_tenant_unseen_requests_total{replica, charged}`` says how each was charged
+(``engine``: its share of what the engine counted; ``estimate``: as estimated), and
+``appliance_tenant_unseen_held{replica}`` how many wait for a rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from appliance.engine.load import EngineLoad
+from appliance.gateway.tenants.settlement import Unseen, settle
 
 KINDS = ("prompt", "completion")
 SIDES = ("engine", "tenants")
+ENGINE, ESTIMATE = "engine", "estimate"  # how an unseen request was charged: its share of the engine's count, or not
+
+Charge = Callable[[str, int], None]  # tenant, tokens: the tenants' accounting of work no engine reported
+
+
+def _ignore(_tenant: str, _tokens: int) -> None:
+    return None
+
+
+def _no_legs(_name: str) -> int:
+    return 0
+
+
+@dataclass
+class _Rest:
+    """A replica since it was last at rest: both sides' totals then, and the estimates held since."""
+
+    engine: tuple[float, float] = (0.0, 0.0)  # the engine's prompt and completion totals at the last rest
+    tenants: tuple[float, float] = (0.0, 0.0)  # the tenants' side then
+    finished: tuple[float, float] = (0.0, 0.0)  # sequences finished then: as the engine counted, as reported
+    held: list[Unseen] = field(default_factory=list)
+    expired: list[Unseen] = field(default_factory=list)  # charged as estimated since: at rest, topped up if short
+    idle: bool = False  # the last reading found the replica idle
+    told: int = 0  # charges told for the replica when it was last read
 
 
 class Reconciliation(Collector):
     """Both sides' running totals per replica, and the engine's last reading each rose from. Fed by the engine
     poll (``observe``) and the metering hook (``charged``), read at scrape (``collect``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, charge: Charge = _ignore, *, hold_seconds: float = 0.0,
+                 open_legs: Callable[[str], int] = _no_legs, clock: Callable[[], float] = time.monotonic) -> None:
+        """``charge``: where an unseen request's tokens are charged to its tenant, once, when settled or
+        estimated. ``hold_seconds``: how long an estimate waits for its replica to come to rest (0: charged as
+        estimated at once). ``open_legs``: the gateway's requests open on a replica now (a replica with one is not
+        at rest)."""
         self.engine: dict[str, list[float]] = {}  # replica -> [prompt, completion] the engine counted since seen
         self.tenants: dict[str, list[float]] = {}  # replica -> [prompt, completion] charged for work there
-        self._last: dict[str, tuple[float, float]] = {}  # replica -> the engine's counters at its last reading
+        self.finished: dict[str, list[float]] = {}  # replica -> sequences finished: [engine's count, reported]
+        self._last: dict[str, tuple[float, float, float | None]] = {}  # replica -> its counters at its last reading
+        self._rests: dict[str, _Rest] = {}
+        self._told: Counter[str] = Counter()  # replica -> charges and estimates told for it
+        self.unseen_charged: Counter[tuple[str, str]] = Counter()  # (replica, how) -> unseen requests charged
+        self.charge = charge
+        self.hold_seconds = hold_seconds
+        self.open_legs = open_legs
+        self.clock = clock
 
     def observe(self, name: str, load: EngineLoad | None) -> None:
         """One poll of ``name``'s /metrics. An unanswered poll or a page without the counters changes nothing:
-        the next reading's increase covers the gap."""
+        the next reading's increase covers the gap (and the replica is not at rest until two readings say so)."""
         if load is None or load.prompt_tokens_total is None or load.generation_tokens_total is None:
+            if name in self._rests:
+                self._rests[name].idle = False
             return
-        now = (load.prompt_tokens_total, load.generation_tokens_total)
+        now = (load.prompt_tokens_total, load.generation_tokens_total, load.finished_total)
         last = self._last.get(name)
         self._last[name] = now
         totals = self._side(self.engine, name)
-        if last is None:
-            return  # the baseline
-        if now[0] < last[0] or now[1] < last[1]:
-            return  # a new engine process: its reading is the new baseline
+        if last is None or now[0] < last[0] or now[1] < last[1]:
+            # The baseline, or a new engine process whose reading is the new baseline: what was held there is
+            # charged as estimated (its engine's count went with the old process)
+            self._estimate_held(name)
+            self._rests[name] = self._rest_now(name)
+            return
         totals[0] += now[0] - last[0]
         totals[1] += now[1] - last[1]
+        if now[2] is not None and last[2] is not None and now[2] >= last[2]:
+            self._side(self.finished, name)[0] += now[2] - last[2]
+        still = now[:2] == last[:2] and now[2] is not None and now[2] == last[2]
+        self._settle(name, load, still)
 
-    def charged(self, name: str, prompt: int, completion: int) -> None:
-        """Tokens charged to a tenant for work on replica ``name`` (prompt counted once per sequence)."""
+    def charged(self, name: str, prompt: int, completion: int, finished: int = 0) -> None:
+        """Tokens charged to a tenant for work on replica ``name`` (prompt counted once per sequence), and the
+        sequences among them that the engine finished (their usage came back)."""
+        self._told[name] += 1
         if prompt or completion:
             totals = self._side(self.tenants, name)
             totals[0] += prompt
             totals[1] += completion
+        if finished:
+            self._side(self.finished, name)[1] += finished
+
+    def unseen(self, name: str, tenant: str, n: int, prompt: int, completion: int, room: int) -> None:
+        """Work of ``tenant``'s request on replica ``name`` that no engine reported, as the gateway estimated it
+        (``prompt`` once per sequence, ``n`` choices a prompt, ``room``: the most completion the engine could have
+        made for it): held until the replica comes to rest, or charged as estimated."""
+        self._told[name] += 1
+        item = Unseen(tenant, max(1, n), max(0, prompt), max(0, completion), max(0, room), self.clock())
+        rest = self._rests.get(name)
+        if self.hold_seconds <= 0 or rest is None:
+            self._charge(name, item, item.prompt, item.completion, ESTIMATE)
+            return
+        rest.held.append(item)
+
+    def _settle(self, name: str, load: EngineLoad, still: bool) -> None:
+        """At rest (idle over two readings, counters still, nothing told in between), the unseen requests since
+        the last rest take their shares of what the engine counted beyond the reports: the held ones are charged
+        theirs, the ones charged as estimated before (held too long) the part of theirs they fell short by (a
+        counter never goes down: an estimate above its share stays, and shows as drift). Then the replica's
+        interval starts again."""
+        rest = self._rests[name]
+        idle = load.running == 0 and load.waiting == 0 and self.open_legs(name) == 0
+        at_rest = idle and still and rest.idle and rest.told == self._told[name]
+        rest.idle, rest.told = idle, self._told[name]
+        if not at_rest:
+            return
+        engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
+        finished = self.finished.get(name, [0.0, 0.0])
+        shares, unseen = None, rest.expired + rest.held
+        if unseen and finished[0] - rest.finished[0] == finished[1] - rest.finished[1]:
+            estimated = (sum(item.prompt for item in rest.expired), sum(item.completion for item in rest.expired))
+            shares = settle(unseen, *((engine[k] - rest.engine[k]) - (tenants[k] - rest.tenants[k] - estimated[k])
+                                      for k in (0, 1)))
+        if shares is None:
+            self._estimate_held(name)
+        else:
+            expired = len(rest.expired)
+            for index, (item, (prompt, completion)) in enumerate(zip(unseen, shares, strict=True)):
+                if index >= expired:
+                    self._charge(name, item, prompt, completion, ENGINE)
+                else:
+                    self._add(name, item, max(0, prompt - item.prompt), max(0, completion - item.completion))
+        self._rests[name] = self._rest_now(name)
+        self._rests[name].idle, self._rests[name].told = True, self._told[name]
+
+    def _rest_now(self, name: str) -> _Rest:
+        engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
+        finished = self.finished.get(name, [0.0, 0.0])
+        return _Rest((engine[0], engine[1]), (tenants[0], tenants[1]), (finished[0], finished[1]))
+
+    def _estimate_held(self, name: str, before: float | None = None) -> None:
+        """What ``name`` held (since before ``before``, or all), charged as estimated."""
+        rest = self._rests.get(name)
+        if rest is None:
+            return
+        due = [item for item in rest.held if before is None or item.at <= before]
+        for item in due:
+            self._charge(name, item, item.prompt, item.completion, ESTIMATE)
+        rest.held = rest.held[len(due):]
+        rest.expired += due
+
+    def _charge(self, name: str, item: Unseen, prompt: int, completion: int, how: str) -> None:
+        self._add(name, item, prompt, completion)
+        self.unseen_charged[(name, how)] += 1
+
+    def _add(self, name: str, item: Unseen, prompt: int, completion: int) -> None:
+        if prompt or completion:
+            totals = self._side(self.tenants, name)
+            totals[0] += prompt
+            totals[1] += completion
+            self.charge(item.tenant, item.charge(prompt, completion))
+
+    def expire(self) -> None:
+        """Estimates held longer than ``hold_seconds`` (their replica busy without a pause, or unread) are
+        charged as estimated: a tenant's counters lag its work by at most that long. At the next rest, one that
+        fell short of its share is topped up."""
+        deadline = self.clock() - self.hold_seconds
+        for name, rest in self._rests.items():
+            if rest.held and rest.held[0].at <= deadline:
+                self._estimate_held(name, before=deadline)
 
     def retain(self, names: Collection[str]) -> None:
         """Forget replicas gone from the fleet (their series stop; a request still finishing there brings its
         tenants' side back until the next poll forgets it again)."""
-        for table in (self.engine, self.tenants, self._last):
+        for name in [name for name in self._rests if name not in names]:
+            self._estimate_held(name)
+        for table in (self.engine, self.tenants, self.finished, self._last, self._rests, self._told):
             for name in [name for name in table if name not in names]:
                 del table[name]
+        self.expire()
 
     def drift(self, name: str) -> tuple[float, float]:
         """Tenants' side minus engine's side since first seen, per kind (prompt, completion): 0 when every
@@ -103,3 +245,16 @@ class Reconciliation(Collector):
                 for kind, value in zip(KINDS, totals, strict=True):
                     family.add_metric([name, kind, side], value)
         yield family
+        unseen = CounterMetricFamily(
+            "appliance_tenant_unseen_requests", "Requests with work no engine reported (a non-streaming answer left "
+            "or timed out, a stream's unread tail), by replica and how they were charged: charged=engine, their "
+            "share of what the engine counted once its replica came to rest; charged=estimate, the gateway's "
+            "estimate (no rest in time, or the engine's counters held other work).", labels=["replica", "charged"])
+        for (name, how), count in sorted(self.unseen_charged.items()):
+            unseen.add_metric([name, how], count)
+        yield unseen
+        held = GaugeMetricFamily("appliance_tenant_unseen_held", "Requests whose unseen work waits for its "
+                                 "replica to come to rest, to be charged as the engine counted it.", labels=["replica"])
+        for name, rest in sorted(self._rests.items()):
+            held.add_metric([name], len(rest.held))
+        yield held

@@ -165,7 +165,10 @@ class Decider:
         elif kind is m.Charge:
             self.admission.charge(message.tenant, message.tokens)
         elif kind is m.Charged:
-            self.reconciliation.charged(message.replica, message.prompt, message.completion)
+            self.reconciliation.charged(message.replica, message.prompt, message.completion, message.finished)
+        elif kind is m.Unseen:
+            self.reconciliation.unseen(message.replica, message.tenant, message.n, message.prompt,
+                                       message.completion, message.room)
         elif kind is m.Reserve:
             self._reserve(session, message)
         elif kind is m.Settle:

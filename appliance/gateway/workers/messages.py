@@ -133,6 +133,18 @@ class Charged(msgspec.Struct, tag=True, array_like=True):
     replica: str
     prompt: int
     completion: int
+    finished: int = 0  # sequences among them the engine finished
+
+
+class Unseen(msgspec.Struct, tag=True, array_like=True):
+    """Work on ``replica`` no engine reported, as the worker estimated it, for the decider to charge ``tenant``."""
+
+    replica: str
+    tenant: str
+    n: int
+    prompt: int
+    completion: int
+    room: int
 
 
 class Relayed(msgspec.Struct, tag=True, array_like=True):
@@ -215,8 +227,8 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
     settings: bytes
 
 
-ToDecider = (Join | Acquire | Reserve | Cancel | Release | Reclaimed | FirstToken | Settle | Charge | Charged | Relayed
-             | EngineFailed | Record | Open | Metrics)
+ToDecider = (Join | Acquire | Reserve | Cancel | Release | Reclaimed | FirstToken | Settle | Charge | Charged | Unseen
+             | Relayed | EngineFailed | Record | Open | Metrics)
 ToWorker = Granted | Refused | Reserved | QuotaRefused | Fleet | Reload | Drain | Cut | Hello
 
 to_decider: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ToDecider)

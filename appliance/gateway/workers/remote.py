@@ -314,9 +314,11 @@ class RemoteLedger:
     def __init__(self, link: Link) -> None:
         self.link = link
 
-    def charged(self, name: str, prompt: int, completion: int) -> None:
-        if prompt or completion:
-            self.link.send(m.Charged(name, prompt, completion))
+    def charged(self, name: str, prompt: int, completion: int, finished: int = 0) -> None:
+        self.link.send(m.Charged(name, prompt, completion, finished))
+
+    def unseen(self, name: str, tenant: str, n: int, prompt: int, completion: int, room: int) -> None:
+        self.link.send(m.Unseen(name, tenant, n, prompt, completion, room))
 
 
 class RemoteRecords:
