@@ -38,13 +38,15 @@ def test_the_tenant_variable_lists_the_configured_tenants_and_filters_every_tena
     for panel in board["panels"]:
         for target in panel.get("targets", []):
             # Each selector of a tenant series filters by $tenant, except a share's denominator (all tenants) and
-            # the accounting's reconciliation (per replica, of all tenants: it has no tenant label).
+            # the accounting's reconciliation and its unseen work (per replica, of all tenants: no tenant label).
             for name, matchers in re.findall(r"(appliance_tenant_\w+)\{([^}]*)\}", target["expr"]):
                 if 'tenant=~"$tenant"' not in matchers:
                     unfiltered.append((panel["title"], name))
     assert set(unfiltered) == {("Largest token share", "appliance_tenant_tokens_total"),
                                ("Share of tokens by tenant", "appliance_tenant_tokens_total"),
-                               ("Accounting drift by replica", "appliance_tenant_reconciled_tokens_total")}
+                               ("Accounting drift by replica", "appliance_tenant_reconciled_tokens_total"),
+                               ("Work no engine reported, by how it was charged",
+                                "appliance_tenant_unseen_requests_total")}
 
 
 def test_the_share_is_of_all_tenants_and_excludes_cached_prompt_tokens() -> None:

@@ -112,7 +112,7 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
         timeseries(22, "Accounting drift by replica",
                    target(accounting_drift(gw, RATE), "{{replica}} {{kind}}"),
                    target(accounting_drift(gw, RATE, fleet=True), "all replicas {{kind}}"),
-                   unit="percentunit", w=24,
+                   unit="percentunit", w=16,
                    thresholds=[(None, "red"), (-drift.threshold, "green"), (drift.threshold, "red")],
                    links=runbooks(config, ACCOUNTING_DRIFT),
                    description=f"What all tenants were charged for each replica's work over what its engine "
@@ -121,6 +121,14 @@ def build(config: MonitoringConfig | None = None) -> dict[str, Any]:  # noqa: PL
                                f"Every tenant, whatever the selection. Requests in flight at the interval's edges "
                                f"make short intervals noisy: {ACCOUNTING_DRIFT} judges {drift.window} at a time, "
                                f"beyond the dashed lines for {drift.for_}."),
+        timeseries(24, "Work no engine reported, by how it was charged",
+                   target(f"sum by (charged) (rate(appliance_tenant_unseen_requests_total{{{gw}}}[{RATE}]))",
+                          "{{charged}}"),
+                   unit="reqps", w=8, min_=0, links=runbooks(config, ACCOUNTING_DRIFT),
+                   description="Requests whose work no engine reported (a non-streaming answer left or timed out, "
+                               "a stream's unread tail), charged as the engine counted it once its replica came to "
+                               "rest (engine) or as the gateway estimated it (estimate: no rest within "
+                               "gateway.unseen_hold_seconds, or the engine also served others). Every tenant."),
     ]
     latency = [
         timeseries(12, "TTFT p95 by tenant", target(p95(TTFT, t, by="tenant"), "{{tenant}}"),
