@@ -10,12 +10,15 @@ phase at a time, the engine idle between phases:
 3. ``timeout``: non-streaming clients whose own timeout (drawn 0.3-1.5 s) ends before the answer.
 4. ``mixed``: the three at once, interleaved.
 
-It prints, per phase, the engine's tokens, what the tenant was charged (and the part of it that is the gateway's
-estimate rather than an engine's report) and their ratio: 1.0 is exact, below 1 work went uncharged, above 1 the
-tenant paid for more than the engine did (a non-streaming answer whose progress the gateway never sees is charged
-its reservation). Numbers, never assertions.
+It prints, per phase, the engine's tokens, what the tenant was charged (and the part of it that is not an engine's
+report: the gateway's estimate, or its share of the engine's count at rest) and their ratio: 1.0 is exact, below 1
+work went uncharged, above 1 the tenant paid for more than the engine did. Each ``--holds`` value is one pass with
+its own appliance (``gateway.unseen_hold_seconds``; 0: estimates charged as they are, as before work no engine
+reported waited for a rest), the same seed, one after the other in one run, and a last table puts their ratios side
+by side. Numbers, never assertions.
 
     .venv/bin/python bench/tenant_charging.py [--requests 24] [--concurrency 4] [--max-tokens 256] [--model DIR]
+        [--holds 30,0]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ KEYS = {phase: f"{phase.replace(' ', '-')}-key-0123456789" for phase in PHASES}
 TENANT = {phase: phase.replace(" ", "-") for phase in PHASES}
 METRICS_TOKEN = "bench-metrics-token"
 KINDS = ("prompt", "completion", "estimated")
+UNSEEN = ("engine", "estimate")  # how the gateway charged work no engine reported
 ENGINE_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 SIDES = ("prompt", "completion")  # the reconciliation's kinds, each against its engine counter above
 
@@ -116,7 +120,8 @@ def totals(gateway: str, engine: str) -> dict[str, float]:
     """The engine's counters (both kinds, and each), each tenant's charges by kind, and the reconciliation's
     tenants' side (charges split into prompt and completion, estimates included: one replica, so all of them)."""
     tenants = scrape(gateway + "/metrics", ("appliance_tenant_tokens_total",
-                                            "appliance_tenant_reconciled_tokens_total"),
+                                            "appliance_tenant_reconciled_tokens_total",
+                                            "appliance_tenant_unseen_requests_total", "appliance_tenant_unseen_held"),
                      {"authorization": f"Bearer {METRICS_TOKEN}"})
     counters = scrape(engine + "/metrics", ENGINE_COUNTERS)
     got = {"engine": sum(counters.values())}
@@ -124,6 +129,10 @@ def totals(gateway: str, engine: str) -> dict[str, float]:
         got[f"engine/{side}"] = sum(v for k, v in counters.items() if k.startswith(name))
         got[f"charged/{side}"] = sum(v for k, v in tenants.items() if k.startswith(
             "appliance_tenant_reconciled_tokens_total") and f'kind="{side}"' in k and 'side="tenants"' in k)
+    for how in UNSEEN:
+        got[f"unseen/{how}"] = sum(v for k, v in tenants.items() if k.startswith(
+            "appliance_tenant_unseen_requests_total") and f'charged="{how}"' in k)
+    got["held"] = sum(v for k, v in tenants.items() if k.startswith("appliance_tenant_unseen_held"))
     for phase in PHASES:
         for kind in KINDS:
             got[f"{phase}/{kind}"] = tenants.get(
@@ -131,19 +140,24 @@ def totals(gateway: str, engine: str) -> dict[str, float]:
     return got
 
 
-def report(rows: list[tuple[str, int, dict[str, float]]]) -> None:
-    print(f"\n{'phase':<14} {'requests':>8} {'engine tok':>10} {'charged':>9} {'of it est.':>10} {'ratio':>6} "
-          f"{'reported only':>13}")
+Rows = list[tuple[str, int, dict[str, float]]]
+
+
+def report(rows: Rows) -> None:
+    print(f"\n{'phase':<14} {'requests':>8} {'engine tok':>10} {'charged':>9} {'not rep.':>9} {'ratio':>6} "
+          f"{'reported only':>13} {'unseen: engine':>14} {'estimate':>8}")
     for name, count, delta in rows:
         names = PHASES if name == "mixed" else (name,)
         reported = sum(delta[f"{n}/{kind}"] for n in names for kind in ("prompt", "completion"))
         estimated = sum(delta[f"{n}/estimated"] for n in names)
         engine = delta["engine"]
         ratio = (reported + estimated) / engine if engine else float("nan")
-        print(f"{name:<14} {count:>8} {engine:>10.0f} {reported + estimated:>9.0f} {estimated:>10.0f} "
-              f"{ratio:>6.2f} {reported / engine if engine else float('nan'):>13.2f}")
+        print(f"{name:<14} {count:>8} {engine:>10.0f} {reported + estimated:>9.0f} {estimated:>9.0f} "
+              f"{ratio:>6.2f} {reported / engine if engine else float('nan'):>13.2f} "
+              f"{delta['unseen/engine']:>14.0f} {delta['unseen/estimate']:>8.0f}")
     print("ratio: charged (prompt + completion + estimated) / engine (prompt + generation tokens); "
-          "reported only: without the gateway's estimates")
+          "reported only: without the work no engine reported; unseen: requests with such work, by how they were "
+          "charged (engine: their share of the engine's count at rest; estimate: the gateway's estimate)")
     print(f"\n{'phase':<14} {'engine prompt':>13} {'charged':>8} {'ratio':>6} {'engine gen':>10} {'charged':>8} "
           f"{'ratio':>6}")
     for name, _, delta in rows:
@@ -157,16 +171,14 @@ def report(rows: list[tuple[str, int, dict[str, float]]]) -> None:
           "vllm:prompt_tokens_total and vllm:generation_tokens_total")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=24, help="requests per behaviour and phase (default 24)")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--base-port", type=int, default=18700)
-    parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
-    args = parser.parse_args()
+def ratios(delta: dict[str, float]) -> tuple[float, float]:
+    return tuple(delta[f"charged/{side}"] / delta[f"engine/{side}"] if delta[f"engine/{side}"] else float("nan")
+                 for side in SIDES)  # type: ignore[return-value]
 
+
+def measure(args: argparse.Namespace, hold: float) -> Rows:
+    """One pass: an appliance holding unseen work ``hold`` seconds, every phase, the engine idle and the unseen
+    work charged between phases."""
     state = Path(tempfile.mkdtemp(prefix="bench-charging-"))
     tenants = [{"name": TENANT[phase], "api_keys": [KEYS[phase]]} for phase in PHASES]
     engine_port, port = args.base_port, args.base_port + 10
@@ -174,13 +186,13 @@ def main() -> None:
            "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN, "APPLIANCE_MODEL": str(demo_model(args.model)),
            "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(port),
            "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024",
-           "APPLIANCE_ENGINE__MAX_NUM_SEQS": "8"}
+           "APPLIANCE_ENGINE__MAX_NUM_SEQS": "8", "APPLIANCE_GATEWAY__UNSEEN_HOLD_SECONDS": str(hold)}
     started = time.monotonic()
     proc = start([sys.executable, "-m", "appliance.cli", "serve"], env, state / "appliance.log")
     try:
         gateway, engine = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
         wait_ok(gateway + "/health/ready", proc)
-        print(f"ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
+        print(f"hold {hold:g}s: ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
         rng = random.Random(args.seed)
         rows = []
         for name, names in [(p, (p,)) for p in PHASES] + [("mixed", PHASES)]:
@@ -189,13 +201,36 @@ def main() -> None:
             asyncio.run(run_phase(gateway, names, args, rng))
             asyncio.run(engine_idle(engine))
             time.sleep(1.0)  # the last aborts reach the counters
-            after = totals(gateway, engine)
+            deadline = time.monotonic() + hold + 10
+            while (after := totals(gateway, engine))["held"] and time.monotonic() < deadline:
+                time.sleep(0.5)  # the replica's rest: the held work charged
             rows.append((name, args.requests * len(names), {k: after[k] - before[k] for k in after}))
             print(f"{name}: done", flush=True)
         report(rows)
-        print(f"total {time.monotonic() - started:.0f}s")
+        print(f"hold {hold:g}s: {time.monotonic() - started:.0f}s")
+        return rows
     finally:
         stop(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=24, help="requests per behaviour and phase (default 24)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--base-port", type=int, default=18700)
+    parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
+    parser.add_argument("--holds", default="30,0", help="gateway.unseen_hold_seconds of each pass (default 30,0)")
+    args = parser.parse_args()
+    holds = [float(value) for value in args.holds.split(",")]
+    passes = [(hold, measure(args, hold)) for hold in holds]
+    print(f"\n{'phase':<14} " + " ".join(f"{f'hold {hold:g}s prompt':>17} {'completion':>10}" for hold in holds))
+    for index, (name, _, _) in enumerate(passes[0][1]):
+        cells = [ratios(rows[index][2]) for _, rows in passes]
+        print(f"{name:<14} " + " ".join(f"{prompt_ratio:>17.3f} {completion:>10.3f}"
+                                        for prompt_ratio, completion in cells))
+    print("charged / engine per side, each pass on its own appliance with the same seed")
 
 
 if __name__ == "__main__":
