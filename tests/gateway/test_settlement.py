@@ -209,6 +209,23 @@ def test_an_expired_estimate_above_its_share_stays_and_shows_as_drift() -> None:
     assert ledger.rec.drift("r0") == (0, 60 + 10 - 40)
 
 
+def test_a_replica_busy_for_very_long_keeps_a_bounded_list_and_its_estimates_stand(monkeypatch) -> None:
+    monkeypatch.setattr("appliance.gateway.tenants.reconcile.MAX_EXPIRED", 3)
+    ledger, engine = Ledger(hold=1.0), Engine(running=1)
+    ledger.read("r0", engine)
+    for _ in range(4):
+        ledger.rec.unseen("r0", "a", 1, prompt=1, completion=1, room=10)
+        ledger.clock.advance(2.0)
+        ledger.rec.retain({"r0"})
+    rest = ledger.rec._rests["r0"]
+    assert rest.expired == [] and rest.untracked
+    ledger.rec.unseen("r0", "b", 1, prompt=1, completion=1, room=10)  # nothing to settle against: charged at once
+    assert ledger.charges == Counter({"a": 8, "b": 2})
+    engine.running, engine.generation = 0, 50
+    ledger.read("r0", engine, 2)  # the rest: a new interval, tracked again
+    assert not ledger.rec._rests["r0"].untracked and ledger.charges == Counter({"a": 8, "b": 2})
+
+
 def test_a_restart_or_a_replica_gone_charges_what_it_held_as_estimated() -> None:
     ledger, engine = Ledger(), Engine()
     for name in ("r0", "r1"):

@@ -47,6 +47,9 @@ from appliance.gateway.tenants.settlement import Unseen, settle
 
 KINDS = ("prompt", "completion")
 SIDES = ("engine", "tenants")
+# Estimates charged past the hold that a replica keeps for its next rest's top-ups; a replica busy for longer
+# (about an hour of 1 such request a second) drops them, and its interval's estimates stand
+MAX_EXPIRED = 4096
 ENGINE, ESTIMATE = "engine", "estimate"  # how an unseen request was charged: its share of the engine's count, or not
 
 Charge = Callable[[str, int], None]  # tenant, tokens: the tenants' accounting of work no engine reported
@@ -69,6 +72,7 @@ class _Rest:
     finished: tuple[float, float] = (0.0, 0.0)  # sequences finished then: as the engine counted, as reported
     held: list[Unseen] = field(default_factory=list)
     expired: list[Unseen] = field(default_factory=list)  # charged as estimated since: at rest, topped up if short
+    untracked: bool = False  # expired estimates dropped (MAX_EXPIRED): the interval's counters hold unknown errors
     idle: bool = False  # the last reading found the replica idle
     told: int = 0  # charges told for the replica when it was last read
 
@@ -137,7 +141,7 @@ class Reconciliation(Collector):
         self._told[name] += 1
         item = Unseen(tenant, max(1, n), max(0, prompt), max(0, completion), max(0, room), self.clock())
         rest = self._rests.get(name)
-        if self.hold_seconds <= 0 or rest is None:
+        if self.hold_seconds <= 0 or rest is None or rest.untracked:
             self._charge(name, item, item.prompt, item.completion, ESTIMATE)
             return
         rest.held.append(item)
@@ -157,7 +161,7 @@ class Reconciliation(Collector):
         engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
         finished = self.finished.get(name, [0.0, 0.0])
         shares, unseen = None, rest.expired + rest.held
-        if unseen and finished[0] - rest.finished[0] == finished[1] - rest.finished[1]:
+        if unseen and not rest.untracked and finished[0] - rest.finished[0] == finished[1] - rest.finished[1]:
             estimated = (sum(item.prompt for item in rest.expired), sum(item.completion for item in rest.expired))
             shares = settle(unseen, *((engine[k] - rest.engine[k]) - (tenants[k] - rest.tenants[k] - estimated[k])
                                       for k in (0, 1)))
@@ -188,6 +192,8 @@ class Reconciliation(Collector):
             self._charge(name, item, item.prompt, item.completion, ESTIMATE)
         rest.held = rest.held[len(due):]
         rest.expired += due
+        if len(rest.expired) > MAX_EXPIRED:
+            rest.expired, rest.untracked = [], True
 
     def _charge(self, name: str, item: Unseen, prompt: int, completion: int, how: str) -> None:
         self._add(name, item, prompt, completion)
