@@ -127,10 +127,7 @@ class Reconciliation(Collector):
         """Tokens charged to a tenant for work on replica ``name`` (prompt counted once per sequence), and the
         sequences among them that the engine finished (their usage came back)."""
         self._told[name] += 1
-        if prompt or completion:
-            totals = self._side(self.tenants, name)
-            totals[0] += prompt
-            totals[1] += completion
+        self._count(name, prompt, completion)
         if finished:
             self._side(self.finished, name)[1] += finished
 
@@ -201,10 +198,15 @@ class Reconciliation(Collector):
 
     def _add(self, name: str, item: Unseen, prompt: int, completion: int) -> None:
         if prompt or completion:
+            self._count(name, prompt, completion)
+            self.charge(item.tenant, item.charge(prompt, completion))
+
+    def _count(self, name: str, prompt: float, completion: float) -> None:
+        """The tenants' side of replica ``name`` rises by what was charged there."""
+        if prompt or completion:
             totals = self._side(self.tenants, name)
             totals[0] += prompt
             totals[1] += completion
-            self.charge(item.tenant, item.charge(prompt, completion))
 
     def expire(self) -> None:
         """Estimates held longer than ``hold_seconds`` (their replica busy without a pause, or unread) are
