@@ -192,6 +192,39 @@ def test_a_non_streaming_request_left_at_an_engine_is_charged_what_its_replicas_
     assert left("replica-0", 0.2) == 10
 
 
+def test_a_non_streaming_leg_that_broke_mid_body_is_charged_what_its_engine_made_before_the_re_run() -> None:
+    """Its engine died 2.5 s after the dispatch (a stream there made 10 tokens a second, its first token after
+    0.5 s) and the request ran again on replica-1, which answered: the tenant pays the dead leg's prompt and 2 s
+    of that pace, as estimated and on replica-0's side of the reconciliation, and the answer as reported."""
+    metering, registry = meter(Tenant("team-a", tokens_per_minute=CAPACITY))
+    stream = exchange({"prompt": "x" * 40, "max_tokens": 100, "stream": True})
+    hooks = chain(stream, metering.start(stream))
+    begin(stream)
+    stream.dispatched = 99.5
+    relay(hooks, [running_chunk("a", 10, 1)], at=100.0)
+    relay(hooks, [running_chunk("b", 10, 11)], at=101.0)
+    relay(hooks, [usage_event(10, 11), DONE], at=101.0)
+    hooks.finished(end(at=101.0))
+    before = CAPACITY - level(metering)
+    sides = {name: metering.reconciliation.drift(name) for name in ("replica-0", "replica-1")}
+
+    ex = exchange({"prompt": "x" * 40, "max_tokens": 100})
+    hooks = chain(ex, metering.start(ex))
+    hooks.arrived()
+    first = begin(ex)
+    first.started -= 2.5  # dispatched 2.5 s before it broke
+    ex.end_attempt(Outcome.FAILURE, "rerun: connection")
+    begin(ex, "replica-1", "rerun")
+    hooks.relayed(block(json.dumps({"usage": {"prompt_tokens": 10, "completion_tokens": 100}}).encode()))
+    hooks.finished(end())
+
+    assert tokens(registry, "estimated") == 10 + 20
+    assert (tokens(registry, "prompt"), tokens(registry, "completion")) == (10 + 10, 11 + 100)
+    assert CAPACITY - level(metering) == before + 30 + 110  # the quota settled to both legs
+    assert metering.reconciliation.drift("replica-0") == (sides["replica-0"][0] + 10, sides["replica-0"][1] + 20)
+    assert metering.reconciliation.drift("replica-1") == (sides["replica-1"][0] + 10, sides["replica-1"][1] + 100)
+
+
 def test_a_left_request_s_prompt_is_estimated_as_engines_counted_the_prompts_before_it() -> None:
     """The engine counted 12 tokens for a prompt the gateway put at 10 (four characters a token); a non-streaming
     request left at an engine with the same prompt is charged 12 for it, and so is a stream left before its first

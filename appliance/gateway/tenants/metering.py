@@ -16,7 +16,8 @@ is settled:
   engine's progress cannot be seen, so its prompt (the gateway's estimate, scaled as engines counted the prompts it
   estimated before) and what its replica's recent streams say the engine made in the time it had
   (``progress.EngineProgress``), within its reservation; its whole reservation when no stream ran there lately
-  (docs/tenants.md says why);
+  (docs/tenants.md says why). The same for each leg of one whose answer broke mid-body (its engine died or was
+  drained) and that ran again elsewhere: the dead leg's work was done, and no report of it will come;
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
 Each replica's share of what was charged (every leg's report goes to the replica that did that leg, with the
@@ -124,7 +125,7 @@ class MeteredRequest(RequestHook):
     """One request's metering."""
 
     __slots__ = ("meter", "exchange", "cost", "plan", "hidden", "reservation", "running", "legs", "first",
-                 "frames", "leg", "placed", "engine", "finished_on")
+                 "frames", "leg", "placed", "engine", "finished_on", "broken")
 
     def __init__(self, meter: Metering, exchange: Exchange, cost: Cost, plan: UsagePlan | None) -> None:
         self.meter = meter
@@ -141,6 +142,7 @@ class MeteredRequest(RequestHook):
         self.leg: str | None = None  # the replica of the leg ``running`` reads
         self.placed: dict[str, Usage] = {}  # replica -> the usage reported (or run) there, every leg
         self.finished_on: dict[str, int] = {}  # replica -> sequences its engine finished (their usage came back)
+        self.broken: list[tuple[str, Usage]] = []  # replica, estimate: non-streaming legs that broke mid-body
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -193,7 +195,10 @@ class MeteredRequest(RequestHook):
         self.meter.accounting.queue_wait.labels(self.exchange.tenant.name).observe(seconds)
 
     def admitted(self, attempt: Attempt) -> None:
-        """A new leg begins: the last one's running usage, if it never reported, is what it used."""
+        """A new leg begins: the last one's running usage, if it never reported, is what it used; a re-run's
+        broken leg, what its engine's pace says it made."""
+        if attempt.kind == "rerun":
+            self._rerun(attempt)
         self._close_leg()
         self.leg = attempt.replica
         self.engine = engine_key(self.exchange.replica)
@@ -213,7 +218,7 @@ class MeteredRequest(RequestHook):
                 self.reservation.refund()
             return
         unreported = self._unreported(end)
-        estimated = unreported.total if unreported is not None else 0
+        estimated = (unreported.total if unreported is not None else 0) + sum(leg.total for _, leg in self.broken)
         self._close_leg()
         reported = (exchange.usage or Usage()) + self.legs
         if reported.total or reported.cached_prompt:
@@ -235,13 +240,16 @@ class MeteredRequest(RequestHook):
         for replica in self.placed.keys() | self.finished_on.keys():
             usage = self.placed.get(replica, Usage())
             ledger.charged(replica, usage.prompt * n, usage.completion, self.finished_on.get(replica, 0))
+        tenant = self.exchange.tenant.name
+        for replica, leg in self.broken:
+            ledger.unseen(replica, tenant, n, leg.prompt * n, leg.completion, self.cost.completion)
         if unreported is None:
             return
         if self.leg is None:
-            self.meter.accounting.estimated(self.exchange.tenant.name, unreported.total)
+            self.meter.accounting.estimated(tenant, unreported.total)
             return
         room = max(unreported.completion, self.cost.completion - reported.completion)
-        ledger.unseen(self.leg, self.exchange.tenant.name, n, unreported.prompt * n, unreported.completion, room)
+        ledger.unseen(self.leg, tenant, n, unreported.prompt * n, unreported.completion, room)
 
     def _place(self, replica: str | None, usage: Usage | None) -> None:
         if replica is not None and usage is not None and usage.total:
@@ -277,10 +285,7 @@ class MeteredRequest(RequestHook):
         if not exchange.stream:
             if exchange.usage is not None or end.status not in UNSEEN_STATUSES:
                 return None
-            made = (None if self.leg is None else
-                    self.meter.progress.completion(self.leg, self.cost.requests, end.at - exchange.dispatched))
-            return Usage(self.meter.progress.prompt(self.cost.prompt),
-                         self.cost.completion if made is None else min(self.cost.completion, made))
+            return self._unseen_leg(self.leg, end.at - exchange.dispatched)
         if end.status != CLIENT_GONE:
             return None
         running = self.running
@@ -290,6 +295,22 @@ class MeteredRequest(RequestHook):
             return Usage() if self.legs.total else Usage(self.meter.progress.prompt(self.cost.prompt))
         done = (exchange.usage or Usage()).completion + self.legs.completion + running.usage(self._n()).completion
         return Usage(completion=tail_tokens(running, end.at, max(0, self.cost.completion - done)))
+
+    def _unseen_leg(self, replica: str | None, seconds: float) -> Usage:
+        """A non-streaming leg that ran ``seconds`` on ``replica`` and never answered: its prompt and what the
+        replica's recent streams say it made in that time, within the reservation (all of it, with no stream)."""
+        made = None if replica is None else self.meter.progress.completion(replica, self.cost.requests, seconds)
+        return Usage(self.meter.progress.prompt(self.cost.prompt),
+                     self.cost.completion if made is None else min(self.cost.completion, made))
+
+    def _rerun(self, attempt: Attempt) -> None:
+        """The last leg's answer broke mid-body and the request runs again (``attempt``): that leg ran from its
+        start until the re-run began to queue, and is estimated on its replica."""
+        attempts = self.exchange.attempts
+        if self.exchange.stream or self.leg is None or len(attempts) < 2:
+            return
+        broke = attempt.started - attempt.queue_wait
+        self.broken.append((self.leg, self._unseen_leg(self.leg, broke - attempts[-2].started)))
 
     def _n(self) -> int:
         body = self.exchange.parsed()
