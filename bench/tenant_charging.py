@@ -2,13 +2,17 @@
 ``completion`` + ``estimated`` of ``appliance_tenant_tokens_total``) over the engine's own counters
 (``vllm:prompt_tokens_total`` + ``vllm:generation_tokens_total``), per way a client uses its answers.
 
-One real vLLM replica (the CPU build, the demo model) behind the appliance's gateway, one tenant per behaviour, one
-phase at a time, the engine idle between phases:
+Real vLLM replicas (the CPU build, the demo model; ``--replicas``, 2 by default) behind the appliance's gateway, one
+tenant per behaviour, one phase at a time, the engines idle between phases:
 
 1. ``whole``: clients read every answer to its end (half streams, half non-streaming).
 2. ``leave stream``: streaming clients that close the connection after a few chunks (drawn 1-40), mid-answer.
 3. ``timeout``: non-streaming clients whose own timeout (drawn 0.3-1.5 s) ends before the answer.
 4. ``mixed``: the three at once, interleaved.
+5. ``mixed + kill`` (two replicas or more): the same, and once a third of its requests have ended, the vLLM server
+   of the replica running the most is SIGKILLed, its counters read just before: its streams continue on another
+   replica, its non-streaming answers run again there, and the supervisor restarts it. Its engine's work is what
+   its counters said at its death plus what its new process counts.
 
 It prints, per phase, the engine's tokens, what the tenant was charged (and the part of it that is not an engine's
 report: the gateway's estimate, or its share of the engine's count at rest) and their ratio: 1.0 is exact, below 1
@@ -18,7 +22,7 @@ reported waited for a rest), the same seed, one after the other in one run, and 
 by side. Numbers, never assertions.
 
     .venv/bin/python bench/tenant_charging.py [--requests 24] [--concurrency 4] [--max-tokens 256] [--model DIR]
-        [--holds 30,0]
+        [--holds 30,0] [--replicas 2]
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ import contextlib
 import json
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,6 +49,7 @@ from bench.gateway_overhead import start, stop, wait_ok  # noqa: E402
 from bench.tenant_fairness import WORDS, demo_model, engine_idle  # noqa: E402
 
 PHASES = ("whole", "leave stream", "timeout")
+KILL = "mixed + kill"
 KEYS = {phase: f"{phase.replace(' ', '-')}-key-0123456789" for phase in PHASES}
 TENANT = {phase: phase.replace(" ", "-") for phase in PHASES}
 METRICS_TOKEN = "bench-metrics-token"
@@ -81,8 +89,10 @@ async def time_out(http: httpx.AsyncClient, url: str, body: dict, key: str, seco
         await http.post(url, json=body, headers={"authorization": f"Bearer {key}"}, timeout=seconds)
 
 
-async def run_phase(gateway: str, names: tuple[str, ...], args: argparse.Namespace, rng: random.Random) -> None:
-    """``args.requests`` requests of each behaviour in ``names``, ``args.concurrency`` at a time, interleaved."""
+async def run_phase(gateway: str, names: tuple[str, ...], args: argparse.Namespace, rng: random.Random,
+                    strike: Callable[[], None] | None = None) -> None:
+    """``args.requests`` requests of each behaviour in ``names``, ``args.concurrency`` at a time, interleaved;
+    ``strike`` once a third of them have ended."""
     url = gateway + "/v1/completions"
     jobs: list[tuple[str, dict, int, float]] = []  # behaviour, body, index, its chunks or timeout
     for i in range(args.requests):
@@ -92,8 +102,10 @@ async def run_phase(gateway: str, names: tuple[str, ...], args: argparse.Namespa
             jobs.append((name, body, i, rng.randint(1, 40) if name == "leave stream" else rng.uniform(0.3, 1.5)))
     rng.shuffle(jobs)
     limit = asyncio.Semaphore(args.concurrency)
+    ended = 0
 
     async def one(http: httpx.AsyncClient, name: str, body: dict, index: int, param: float) -> None:
+        nonlocal ended
         async with limit:
             if name == "whole":
                 await whole(http, url, body, KEYS[name], index)
@@ -101,6 +113,9 @@ async def run_phase(gateway: str, names: tuple[str, ...], args: argparse.Namespa
                 await leave_stream(http, url, body, KEYS[name], int(param))
             else:
                 await time_out(http, url, body, KEYS[name], param)
+        ended += 1
+        if strike is not None and ended == len(jobs) // 3:
+            strike()
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as http:
         await asyncio.gather(*(one(http, *job) for job in jobs))
@@ -116,17 +131,27 @@ def scrape(url: str, names: tuple[str, ...], headers: dict[str, str] | None = No
     return out
 
 
-def totals(gateway: str, engine: str) -> dict[str, float]:
-    """The engine's counters (both kinds, and each), each tenant's charges by kind, and the reconciliation's
-    tenants' side (charges split into prompt and completion, estimates included: one replica, so all of them)."""
+def counters(engine: str) -> dict[str, float]:
+    """One engine's own counters, by side."""
+    counted = scrape(engine + "/metrics", ENGINE_COUNTERS)
+    return {side: sum(v for k, v in counted.items() if k.startswith(name))
+            for side, name in zip(SIDES, ENGINE_COUNTERS, strict=True)}
+
+
+def totals(gateway: str, engines: list[str]) -> dict[str, float]:
+    """The engines' counters (both kinds, and each), each tenant's charges by kind, and the reconciliation's
+    tenants' side over every replica (charges split into prompt and completion, estimates included)."""
     tenants = scrape(gateway + "/metrics", ("appliance_tenant_tokens_total",
                                             "appliance_tenant_reconciled_tokens_total",
                                             "appliance_tenant_unseen_requests_total", "appliance_tenant_unseen_held"),
                      {"authorization": f"Bearer {METRICS_TOKEN}"})
-    counters = scrape(engine + "/metrics", ENGINE_COUNTERS)
-    got = {"engine": sum(counters.values())}
-    for side, name in zip(SIDES, ENGINE_COUNTERS, strict=True):
-        got[f"engine/{side}"] = sum(v for k, v in counters.items() if k.startswith(name))
+    got: dict[str, float] = {}
+    for index, engine in enumerate(engines):
+        for side, value in counters(engine).items():
+            got[f"engine/{side}"] = got.get(f"engine/{side}", 0.0) + value
+            got[f"engine-{index}/{side}"] = value
+    got["engine"] = sum(got[f"engine/{side}"] for side in SIDES)
+    for side in SIDES:
         got[f"charged/{side}"] = sum(v for k, v in tenants.items() if k.startswith(
             "appliance_tenant_reconciled_tokens_total") and f'kind="{side}"' in k and 'side="tenants"' in k)
     for how in UNSEEN:
@@ -140,6 +165,50 @@ def totals(gateway: str, engine: str) -> dict[str, float]:
     return got
 
 
+def engine_rise(after: dict[str, float], deaths: dict[int, dict[str, float]]) -> None:
+    """The engines' counters in ``after`` as their rise since the phase began must read them: a killed engine
+    rose by what it counted until its death (read just before it) and what its new process counted since (from
+    0), that is by its count at death more than its new process's reading alone says."""
+    for died in deaths.values():
+        for side in SIDES:
+            after[f"engine/{side}"] += died[side]
+    after["engine"] = sum(after[f"engine/{side}"] for side in SIDES)
+
+
+def vllm_server(appliance: subprocess.Popen, port: int) -> psutil.Process:
+    """The vLLM API server of the replica on ``port``, among the appliance's processes."""
+    for proc in psutil.Process(appliance.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.cmdline()
+            if ("vllm.entrypoints.openai.api_server" in cmdline and "appliance.engine.launch" not in cmdline
+                    and cmdline[cmdline.index("--port") + 1] == str(port)):
+                return proc
+    raise LookupError(f"no vLLM server on port {port}")
+
+
+def running(engine: str) -> float:
+    text = httpx.get(engine + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def striker(appliance: subprocess.Popen, engines: list[str], ports: list[int],
+            deaths: dict[int, dict[str, float]]) -> Callable[[], None]:
+    """SIGKILL the vLLM server of the replica running the most, its counters read just before into ``deaths``."""
+    def strike() -> None:
+        index = max(range(len(engines)), key=lambda i: running(engines[i]))
+        server = vllm_server(appliance, ports[index])
+        deaths[index] = counters(engines[index])
+        server.kill()
+        print(f"SIGKILLed replica-{index}'s vLLM server (pid {server.pid})", flush=True)
+    return strike
+
+
+def routable(gateway: str) -> int:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return int(httpx.get(gateway + "/health/ready", timeout=5).json().get("routable_replicas") or 0)
+    return 0
+
+
 Rows = list[tuple[str, int, dict[str, float]]]
 
 
@@ -147,7 +216,7 @@ def report(rows: Rows) -> None:
     print(f"\n{'phase':<14} {'requests':>8} {'engine tok':>10} {'charged':>9} {'not rep.':>9} {'ratio':>6} "
           f"{'reported only':>13} {'unseen: engine':>14} {'estimate':>8}")
     for name, count, delta in rows:
-        names = PHASES if name == "mixed" else (name,)
+        names = PHASES if name in ("mixed", KILL) else (name,)
         reported = sum(delta[f"{n}/{kind}"] for n in names for kind in ("prompt", "completion"))
         estimated = sum(delta[f"{n}/estimated"] for n in names)
         engine = delta["engine"]
@@ -177,33 +246,34 @@ def ratios(delta: dict[str, float]) -> tuple[float, float]:
 
 
 def measure(args: argparse.Namespace, hold: float) -> Rows:
-    """One pass: an appliance holding unseen work ``hold`` seconds, every phase, the engine idle and the unseen
+    """One pass: an appliance holding unseen work ``hold`` seconds, every phase, the engines idle and the unseen
     work charged between phases."""
     state = Path(tempfile.mkdtemp(prefix="bench-charging-"))
     tenants = [{"name": TENANT[phase], "api_keys": [KEYS[phase]]} for phase in PHASES]
-    engine_port, port = args.base_port, args.base_port + 10
+    ports = [args.base_port + index for index in range(args.replicas)]
+    port = args.base_port + 10
     env = {"APPLIANCE_STATE_DIR": str(state), "APPLIANCE_TENANTS": json.dumps(tenants),
            "APPLIANCE_METRICS_TOKEN": METRICS_TOKEN, "APPLIANCE_MODEL": str(demo_model(args.model)),
-           "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(port),
-           "APPLIANCE_ENGINE_BASE_PORT": str(engine_port), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024",
+           "APPLIANCE_SERVED_MODEL_NAME": "demo", "APPLIANCE_PORT": str(port), "APPLIANCE_REPLICAS": str(args.replicas),
+           "APPLIANCE_ENGINE_BASE_PORT": str(ports[0]), "APPLIANCE_ENGINE__MAX_MODEL_LEN": "1024",
            "APPLIANCE_ENGINE__MAX_NUM_SEQS": "8", "APPLIANCE_GATEWAY__UNSEEN_HOLD_SECONDS": str(hold)}
     started = time.monotonic()
     proc = start([sys.executable, "-m", "appliance.cli", "serve"], env, state / "appliance.log")
     try:
-        gateway, engine = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_port}"
+        gateway, engines = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for p in ports]
         wait_ok(gateway + "/health/ready", proc)
         print(f"hold {hold:g}s: ready in {time.monotonic() - started:.0f}s (logs {state})", flush=True)
         rng = random.Random(args.seed)
         rows = []
-        for name, names in [(p, (p,)) for p in PHASES] + [("mixed", PHASES)]:
-            asyncio.run(engine_idle(engine))
-            before = totals(gateway, engine)
-            asyncio.run(run_phase(gateway, names, args, rng))
-            asyncio.run(engine_idle(engine))
-            time.sleep(1.0)  # the last aborts reach the counters
-            deadline = time.monotonic() + hold + 10
-            while (after := totals(gateway, engine))["held"] and time.monotonic() < deadline:
-                time.sleep(0.5)  # the replica's rest: the held work charged
+        phases = [(p, (p,)) for p in PHASES] + [("mixed", PHASES)] + ([(KILL, PHASES)] if args.replicas > 1 else [])
+        for name, names in phases:
+            deaths: dict[int, dict[str, float]] = {}
+            rest(gateway, engines, args.replicas, hold)
+            before = totals(gateway, engines)
+            strike = striker(proc, engines, ports, deaths) if name == KILL else None
+            asyncio.run(run_phase(gateway, names, args, rng, strike))
+            after = rest(gateway, engines, args.replicas, hold)
+            engine_rise(after, deaths)
             rows.append((name, args.requests * len(names), {k: after[k] - before[k] for k in after}))
             print(f"{name}: done", flush=True)
         report(rows)
@@ -211,6 +281,20 @@ def measure(args: argparse.Namespace, hold: float) -> Rows:
         return rows
     finally:
         stop(proc)
+
+
+def rest(gateway: str, engines: list[str], replicas: int, hold: float) -> dict[str, float]:
+    """Every replica back in routing (a killed one restarted) and idle, and the held work charged: the totals."""
+    deadline = time.monotonic() + 600
+    while routable(gateway) < replicas and time.monotonic() < deadline:
+        time.sleep(1.0)
+    for engine in engines:
+        asyncio.run(engine_idle(engine))
+    time.sleep(1.0)  # the last aborts reach the counters
+    deadline = time.monotonic() + hold + 10
+    while (after := totals(gateway, engines))["held"] and time.monotonic() < deadline:
+        time.sleep(0.5)  # the replicas' rest: the held work charged
+    return after
 
 
 def main() -> None:
@@ -222,6 +306,7 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18700)
     parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
     parser.add_argument("--holds", default="30,0", help="gateway.unseen_hold_seconds of each pass (default 30,0)")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2; 1: no kill phase)")
     args = parser.parse_args()
     holds = [float(value) for value in args.holds.split(",")]
     passes = [(hold, measure(args, hold)) for hold in holds]
