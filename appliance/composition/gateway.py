@@ -67,7 +67,7 @@ def build_gateway(settings: Settings, replicas: Callable[[], Sequence[Replica]],
     accounting = TenantAccounting(registry, slo_ttft_seconds=slo, ratios=ratios)
     accounting.configure(tenant.name for tenant in tenants.tenants())
     reconciliation = Reconciliation(accounting.estimated, hold_seconds=settings.gateway.unseen_hold_seconds,
-                                    open_legs=router.in_flight)
+                                    open_legs=router.in_flight, other_gateways=shared is not None)
     registry.register(reconciliation)
     tracer_provider = build_tracer_provider(settings.gateway, span_exporter)
     records = RequestRecords(settings.gateway.request_records)

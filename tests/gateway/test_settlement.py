@@ -92,12 +92,12 @@ class Engine:
 class Ledger:
     """A reconciliation holding estimates, its tenants' charges counted, its clock and open legs the test's."""
 
-    def __init__(self, hold: float = 30.0) -> None:
+    def __init__(self, hold: float = 30.0, other_gateways: bool = False) -> None:
         self.clock = FakeClock()
         self.open: Counter[str] = Counter()
         self.charges: Counter[str] = Counter()
         self.rec = Reconciliation(self.charge, hold_seconds=hold, open_legs=lambda name: self.open[name],
-                                  clock=self.clock)
+                                  clock=self.clock, other_gateways=other_gateways)
 
     def charge(self, tenant: str, tokens: int) -> None:
         self.charges[tenant] += tokens
@@ -165,15 +165,34 @@ def test_a_charge_told_between_two_readings_puts_the_rest_off() -> None:
     assert ledger.rec.unseen_charged[("r0", "engine")] == 1
 
 
-def test_sequences_finished_that_no_report_covers_are_another_client_s_so_the_estimate_stands() -> None:
-    """Another client (or another gateway) had a request on the engine: its tokens are in the counters."""
-    ledger, engine = Ledger(), Engine()
+def test_sequences_finished_that_no_report_covers_are_another_gateway_s_so_the_estimate_stands() -> None:
+    """Another gateway had a request on the engine: its tokens are in the counters."""
+    ledger, engine = Ledger(other_gateways=True), Engine()
     ledger.read("r0", engine)
-    engine.prompt, engine.generation, engine.finished = 40, 90, 1
+    engine.prompt, engine.generation, engine.finished = 12, 30, 1
     ledger.rec.unseen("r0", "a", 1, prompt=10, completion=50, room=100)
     ledger.read("r0", engine, 2)
     assert ledger.charges["a"] == 60
     assert ledger.rec.unseen_charged[("r0", "estimate")] == 1
+
+
+def test_an_unseen_request_its_engine_finished_as_its_client_left_is_still_charged_from_the_count() -> None:
+    """Alone in front of the engine, a finished sequence no report covers is an unseen request's whose answer
+    was on its way when its client left (the engine counted it finished): one per choice of the unseen requests
+    is theirs; more than that is someone else's, and the estimates stand."""
+    ledger, engine = Ledger(), Engine()
+    ledger.read("r0", engine)
+    engine.prompt, engine.generation, engine.finished = 12 + 8, 100 + 5, 1
+    ledger.rec.unseen("r0", "a", 1, prompt=10, completion=50, room=100)  # finished at the engine: 12 + 100
+    ledger.rec.unseen("r0", "b", 1, prompt=10, completion=10, room=100)  # left early: 8 + 5
+    ledger.read("r0", engine, 2)
+    assert ledger.charges["a"] + ledger.charges["b"] == 20 + 105
+    assert ledger.rec.unseen_charged[("r0", "engine")] == 2 and ledger.rec.drift("r0") == (0, 0)
+
+    engine.prompt, engine.generation, engine.finished = engine.prompt + 12, engine.generation + 30, 3
+    ledger.rec.unseen("r0", "c", 1, prompt=10, completion=50, room=100)  # two finished, one unseen request
+    ledger.read("r0", engine, 2)
+    assert ledger.charges["c"] == 60 and ledger.rec.unseen_charged[("r0", "estimate")] == 1
 
 
 def test_an_estimate_held_too_long_is_charged_as_it_is_and_topped_up_at_the_next_rest_if_short() -> None:
@@ -303,11 +322,12 @@ def running_chunk(prompt: int, completion: int) -> bytes:
 
 def request(metering: Metering, engine: Engine, rng: random.Random, replica: str, ledger: Ledger) -> Iterator[None]:
     """One request on ``replica``, a step per token: a stream read whole or left (its tail unread), a
-    non-streaming answer whole or timed out (its work unseen), one choice."""
+    non-streaming answer whole or timed out (its work unseen), one choice; or raced: its engine finished it as
+    its client left, and the gateway never read the end (the engine counts it finished, no report says so)."""
     prompt, max_tokens = rng.randint(1, 40), rng.randint(1, 16)
     stream = rng.random() < 0.5
-    ends = rng.choice(("whole", "cut"))
-    made = max_tokens if ends == "whole" else rng.randint(0, max_tokens)
+    ends = rng.choice(("whole", "cut", "cut", "raced"))
+    made = rng.randint(0, max_tokens) if ends == "cut" else max_tokens
     ex = exchange({"prompt": [1] * prompt, "max_tokens": max_tokens, "stream": stream})
     hooks = chain(ex, metering.start(ex))
     begin(ex, replica)
@@ -324,8 +344,9 @@ def request(metering: Metering, engine: Engine, rng: random.Random, replica: str
             hooks.relayed(Block(raw, raw, at, 1))
         yield
     engine.running -= 1
-    if ends == "whole":
+    if ends != "cut":
         engine.finished += 1
+    if ends == "whole":
         raw = (usage_event(prompt, made) + DONE if stream else
                json.dumps({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": made,
                                                     "total_tokens": prompt + made}}).encode())

@@ -82,11 +82,12 @@ class Reconciliation(Collector):
     poll (``observe``) and the metering hook (``charged``), read at scrape (``collect``)."""
 
     def __init__(self, charge: Charge = _ignore, *, hold_seconds: float = 0.0,
-                 open_legs: Callable[[str], int] = _no_legs, clock: Callable[[], float] = time.monotonic) -> None:
+                 open_legs: Callable[[str], int] = _no_legs, clock: Callable[[], float] = time.monotonic,
+                 other_gateways: bool = False) -> None:
         """``charge``: where an unseen request's tokens are charged to its tenant, once, when settled or
         estimated. ``hold_seconds``: how long an estimate waits for its replica to come to rest (0: charged as
         estimated at once). ``open_legs``: the gateway's requests open on a replica now (a replica with one is not
-        at rest)."""
+        at rest). ``other_gateways``: other gateways send to the same engines (they share a quota store)."""
         self.engine: dict[str, list[float]] = {}  # replica -> [prompt, completion] the engine counted since seen
         self.tenants: dict[str, list[float]] = {}  # replica -> [prompt, completion] charged for work there
         self.finished: dict[str, list[float]] = {}  # replica -> sequences finished: [engine's count, reported]
@@ -98,6 +99,7 @@ class Reconciliation(Collector):
         self.hold_seconds = hold_seconds
         self.open_legs = open_legs
         self.clock = clock
+        self.other_gateways = other_gateways
 
     def observe(self, name: str, load: EngineLoad | None) -> None:
         """One poll of ``name``'s /metrics. An unanswered poll or a page without the counters changes nothing:
@@ -158,7 +160,7 @@ class Reconciliation(Collector):
         engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
         finished = self.finished.get(name, [0.0, 0.0])
         shares, unseen = None, rest.expired + rest.held
-        if unseen and not rest.untracked and finished[0] - rest.finished[0] == finished[1] - rest.finished[1]:
+        if unseen and not rest.untracked and self._only_ours(finished, rest, unseen):
             estimated = (sum(item.prompt for item in rest.expired), sum(item.completion for item in rest.expired))
             shares = settle(unseen, *((engine[k] - rest.engine[k]) - (tenants[k] - rest.tenants[k] - estimated[k])
                                       for k in (0, 1)))
@@ -173,6 +175,14 @@ class Reconciliation(Collector):
                     self._add(name, item, max(0, prompt - item.prompt), max(0, completion - item.completion))
         self._rests[name] = self._rest_now(name)
         self._rests[name].idle, self._rests[name].told = True, self._told[name]
+
+    def _only_ours(self, finished: list[float], rest: _Rest, unseen: list[Unseen]) -> bool:
+        """Whether the sequences the engine finished since the last rest can all be this gateway's requests: those
+        whose usage came back, and, alone in front of the engine, unseen ones its engine finished just as their
+        clients left (the answer on its way, never read), at most one per choice of each. With other gateways an
+        excess is as likely theirs: none is allowed."""
+        excess = (finished[0] - rest.finished[0]) - (finished[1] - rest.finished[1])
+        return 0 <= excess <= (0 if self.other_gateways else sum(item.n for item in unseen))
 
     def _rest_now(self, name: str) -> _Rest:
         engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])

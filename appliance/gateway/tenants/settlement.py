@@ -13,12 +13,14 @@ an estimate.
 
 The engine's counters are trusted only where they can hold nothing but the gateway's requests: the sequences its
 engine finished since the last rest (``vllm:request_success_total``) must be the ones whose usage came back through
-the gateway (another client of the engine, or another gateway, shows there), and the unseen work must lie between
-nothing and what the estimates could have made (a completion no more than each request's room, a prompt no more
-than ``PROMPT_BOUND`` times its estimate). Otherwise the estimates are charged as they are. An estimate held
-longer than the gateway waits for a rest (a replica busy without a pause) is charged as it is too, and still takes
-part in the next rest's shares: the held ones are not charged its error, and where it fell short of its share it
-is topped up (a counter never goes down, so one above its share stays, and shows as drift).
+the gateway (another client of the engine, or another gateway, shows there), and, where no other gateway sends to
+the engines, at most one more per choice of the unseen requests (an answer its engine finished as its client left,
+on its way and never read); and the unseen work must lie between nothing and what the estimates could have made
+(a completion no more than each request's room, a prompt no more than ``PROMPT_BOUND`` times its estimate).
+Otherwise the estimates are charged as they are. An estimate held longer than the gateway waits for a rest (a
+replica busy without a pause) is charged as it is too, and still takes part in the next rest's shares: the held
+ones are not charged its error, and where it fell short of its share it is topped up (a counter never goes down,
+so one above its share stays, and shows as drift).
 """
 
 from __future__ import annotations
