@@ -28,11 +28,12 @@ CAPACITY = 10_000
 
 def meter(tenant: Tenant | None = None, clock: FakeClock | None = None) -> tuple[Metering, CollectorRegistry]:
     registry = CollectorRegistry()
-    quotas = Quotas([tenant or Tenant("team-a")], clock or FakeClock())
+    clock = clock or FakeClock()
+    quotas = Quotas([tenant or Tenant("team-a")], clock)
     accounting = TenantAccounting(registry, slo_ttft_seconds=1.0, ratios=quotas.ratios)
     accounting.configure(["team-a"])
     admission = Admission(Router(lambda: []), ConcurrencyLimits(None), max_queue=0, queue_timeout_seconds=1)
-    return Metering(accounting, quotas, admission, max_model_len=1000), registry
+    return Metering(accounting, quotas, admission, max_model_len=1000, clock=clock), registry
 
 
 def tokens(registry: CollectorRegistry, kind: str) -> float | None:
@@ -192,10 +193,13 @@ def test_a_non_streaming_request_left_at_an_engine_is_charged_what_its_replicas_
     assert left("replica-0", 0.2) == 10
 
 
-def test_a_non_streaming_leg_that_broke_mid_body_is_charged_what_its_engine_made_before_the_re_run() -> None:
-    """Its engine died 2.5 s after the dispatch (a stream there made 10 tokens a second, its first token after
-    0.5 s) and the request ran again on replica-1, which answered: the tenant pays the dead leg's prompt and 2 s
-    of that pace, as estimated and on replica-0's side of the reconciliation, and the answer as reported."""
+@pytest.mark.parametrize("kind", ["retry", "rerun"])
+def test_a_non_streaming_leg_whose_engine_died_is_charged_what_it_made_before_it_ran_again(kind: str) -> None:
+    """Its connection dropped 2.5 s after the dispatch (its engine died: before any answer, as vLLM sends a
+    non-streaming answer whole, or mid-body) where a stream made 10 tokens a second, its first token after 0.5 s,
+    and the request ran again on replica-1, which answered: the tenant pays the dead leg's prompt and 2 s of that
+    pace, as estimated and on replica-0's side of the reconciliation, and the answer as reported. A connection
+    that dropped as the request was written (a stale pooled one, no engine saw it) costs nothing."""
     metering, registry = meter(Tenant("team-a", tokens_per_minute=CAPACITY))
     stream = exchange({"prompt": "x" * 40, "max_tokens": 100, "stream": True})
     hooks = chain(stream, metering.start(stream))
@@ -211,10 +215,11 @@ def test_a_non_streaming_leg_that_broke_mid_body_is_charged_what_its_engine_made
     ex = exchange({"prompt": "x" * 40, "max_tokens": 100})
     hooks = chain(ex, metering.start(ex))
     hooks.arrived()
-    first = begin(ex)
-    first.started -= 2.5  # dispatched 2.5 s before it broke
-    ex.end_attempt(Outcome.FAILURE, "rerun: connection")
-    begin(ex, "replica-1", "rerun")
+    begin(ex).started = metering.clock()
+    ex.end_attempt(Outcome.FAILURE, "retry: ServerDisconnectedError", dropped=True)  # stale: at once
+    begin(ex).started = metering.clock() - 2.5  # dispatched 2.5 s before it dropped
+    ex.end_attempt(Outcome.FAILURE, f"{kind}: connection", dropped=True)
+    begin(ex, "replica-1", kind)
     hooks.relayed(block(json.dumps({"usage": {"prompt_tokens": 10, "completion_tokens": 100}}).encode()))
     hooks.finished(end())
 

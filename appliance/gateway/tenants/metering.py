@@ -16,8 +16,11 @@ is settled:
   engine's progress cannot be seen, so its prompt (the gateway's estimate, scaled as engines counted the prompts it
   estimated before) and what its replica's recent streams say the engine made in the time it had
   (``progress.EngineProgress``), within its reservation; its whole reservation when no stream ran there lately
-  (docs/tenants.md says why). The same for each leg of one whose answer broke mid-body (its engine died or was
-  drained) and that ran again elsewhere: the dead leg's work was done, and no report of it will come;
+  (docs/tenants.md says why). The same for each leg of one whose connection dropped after it was sent (its
+  engine died, or a drain outlasted its timeout; vLLM sends a non-streaming answer's headers with its body, so
+  that is before any answer) and that ran again: the dead leg's work was done, and no report of it will come. A
+  leg that dropped within ``STALE_SECONDS`` is not: a pooled connection its engine had closed fails as the
+  request is written, before any engine saw it;
 - a request that never reached an engine: nothing, and its reservation goes back whole.
 
 Each replica's share of what was charged (every leg's report goes to the replica that did that leg, with the
@@ -35,7 +38,8 @@ the same.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 
 from appliance.gateway.decisions import AdmissionState, ChargeLedger, Held, QuotaStore
 from appliance.gateway.routing.router import Outcome
@@ -65,6 +69,7 @@ from appliance.http.errors import APIError
 
 CLIENT_GONE = 499  # the transport's status for a client that left
 UNSEEN_STATUSES = (CLIENT_GONE, 504)  # a non-streaming answer whose progress the gateway never saw: left, timed out
+STALE_SECONDS = 0.05  # a dropped leg shorter than this never reached an engine that worked on it
 
 
 class Metering:
@@ -75,9 +80,10 @@ class Metering:
 
     def __init__(self, accounting: TenantAccounting, quotas: Quotas, admission: AdmissionState,
                  max_model_len: int | None = None, reconciliation: ChargeLedger | None = None,
-                 shared: QuotaStore | None = None, progress: EngineProgress | None = None) -> None:
+                 shared: QuotaStore | None = None, progress: EngineProgress | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``shared``: quota buckets outside this process, the store shared by several gateways or a worker's
-        decider (None: ``quotas``, this process's buckets)."""
+        decider (None: ``quotas``, this process's buckets). ``clock``: monotonic seconds, as attempts' starts."""
         self.accounting = accounting
         self.quotas = quotas
         self.shared = shared
@@ -89,6 +95,7 @@ class Metering:
                                else Reconciliation(accounting.estimated))
         # What the streams show of each replica's progress, for the non-streaming answers that show none
         self.progress = progress if progress is not None else EngineProgress()
+        self.clock = clock
 
     def start(self, exchange: Exchange) -> MeteredRequest:
         body = exchange.parsed()
@@ -142,7 +149,7 @@ class MeteredRequest(RequestHook):
         self.leg: str | None = None  # the replica of the leg ``running`` reads
         self.placed: dict[str, Usage] = {}  # replica -> the usage reported (or run) there, every leg
         self.finished_on: dict[str, int] = {}  # replica -> sequences its engine finished (their usage came back)
-        self.broken: list[tuple[str, Usage]] = []  # replica, estimate: non-streaming legs that broke mid-body
+        self.broken: list[tuple[str, Usage]] = []  # replica, estimate: non-streaming legs whose connection dropped
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -195,16 +202,20 @@ class MeteredRequest(RequestHook):
         self.meter.accounting.queue_wait.labels(self.exchange.tenant.name).observe(seconds)
 
     def admitted(self, attempt: Attempt) -> None:
-        """A new leg begins: the last one's running usage, if it never reported, is what it used; a re-run's
-        broken leg, what its engine's pace says it made."""
-        if attempt.kind == "rerun":
-            self._rerun(attempt)
+        """A new leg begins: the last one's running usage, if it never reported, is what it used."""
         self._close_leg()
         self.leg = attempt.replica
         self.engine = engine_key(self.exchange.replica)
         if self.hidden is not None:  # a continuation's chunks are the gateway's rewrite: no fingerprint to add
             self.hidden.expected = (None if attempt.kind == "continuation"
                                     else self.meter.fingerprints.known(self.engine))
+
+    def attempt_ended(self, attempt: Attempt) -> None:
+        """A non-streaming leg whose connection dropped after it was sent: what its engine's pace says it made
+        from its dispatch until now, estimated on its replica (a stream's legs show their own progress)."""
+        seconds = self.meter.clock() - attempt.started
+        if attempt.dropped and not self.exchange.stream and seconds >= STALE_SECONDS:
+            self.broken.append((attempt.replica, self._unseen_leg(attempt.replica, seconds)))
 
     def finished(self, end: End) -> None:
         """The tenant's answer and usage; the reservation settled to what was used (refunded whole when no
@@ -302,15 +313,6 @@ class MeteredRequest(RequestHook):
         made = None if replica is None else self.meter.progress.completion(replica, self.cost.requests, seconds)
         return Usage(self.meter.progress.prompt(self.cost.prompt),
                      self.cost.completion if made is None else min(self.cost.completion, made))
-
-    def _rerun(self, attempt: Attempt) -> None:
-        """The last leg's answer broke mid-body and the request runs again (``attempt``): that leg ran from its
-        start until the re-run began to queue, and is estimated on its replica."""
-        attempts = self.exchange.attempts
-        if self.exchange.stream or self.leg is None or len(attempts) < 2:
-            return
-        broke = attempt.started - attempt.queue_wait
-        self.broken.append((self.leg, self._unseen_leg(self.leg, broke - attempts[-2].started)))
 
     def _n(self) -> int:
         body = self.exchange.parsed()

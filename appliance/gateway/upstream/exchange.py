@@ -115,13 +115,14 @@ class Exchange:
         self.hooks.admitted(attempt)
         return attempt
 
-    def end_attempt(self, outcome: Outcome, reason: str, sent_tokens: int = 0) -> None:
+    def end_attempt(self, outcome: Outcome, reason: str, sent_tokens: int = 0, dropped: bool = False) -> None:
         """The current attempt ended without an answer for the client; the hooks hear why."""
         if not self.attempts:
             return
         attempt = self.attempts[-1]
         if attempt.outcome is None:
             attempt.outcome, attempt.reason, attempt.sent_tokens = outcome, reason, sent_tokens
+            attempt.dropped = dropped
             self.hooks.attempt_ended(attempt)
 
     def settle(self, outcome: Outcome, ttft_seconds: float | None = None) -> None:

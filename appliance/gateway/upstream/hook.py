@@ -63,6 +63,8 @@ class Attempt:
     outcome: Outcome | None = None  # set when the attempt ended without an answer for the client
     reason: str | None = None
     sent_tokens: int = 0  # tokens the client had been sent when it ended (a stream that moves on)
+    # Its connection dropped after the request was sent: an engine that died with it may have worked on it
+    dropped: bool = False
 
 
 @dataclass(slots=True)

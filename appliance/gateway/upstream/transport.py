@@ -172,14 +172,14 @@ class Upstream:
             except RerunElsewhere as exc:
                 kind, last_error = "rerun", str(exc)
                 reason = migration.DRAIN if draining(replica) else migration.CONNECTION
-                exchange.end_attempt(Outcome.FAILURE, f"rerun: {reason}")
+                exchange.end_attempt(Outcome.FAILURE, f"rerun: {reason}", dropped=True)
                 exchange.tried.add(replica.name)
                 log.warning("%s failed mid-answer (%s); running the request again elsewhere", replica.name, exc)
                 if not self.admission.router.any_eligible(exchange.tried):
                     break
             except RetryableUpstreamError as exc:
                 last_error = str(exc)
-                exchange.end_attempt(Outcome.FAILURE, f"retry: {exc}")
+                exchange.end_attempt(Outcome.FAILURE, f"retry: {exc}", dropped=exc.stale)
                 if exc.stale and replica.name not in dropped:
                     dropped.add(replica.name)  # likely a stale pooled connection, not the replica: once more
                     log.warning("%s dropped the connection before answering (%s); trying it once more",
