@@ -22,7 +22,7 @@ reported waited for a rest), the same seed, one after the other in one run, and 
 by side. Numbers, never assertions.
 
     .venv/bin/python bench/tenant_charging.py [--requests 24] [--concurrency 4] [--max-tokens 256] [--model DIR]
-        [--holds 30,0] [--replicas 2]
+        [--holds 30,0] [--replicas 2] [--phases all]
 """
 
 from __future__ import annotations
@@ -157,6 +157,10 @@ def totals(gateway: str, engines: list[str]) -> dict[str, float]:
     for how in UNSEEN:
         got[f"unseen/{how}"] = sum(v for k, v in tenants.items() if k.startswith(
             "appliance_tenant_unseen_requests_total") and f'charged="{how}"' in k)
+        for index in range(len(engines)):
+            got[f"unseen-{index}/{how}"] = sum(v for k, v in tenants.items() if k.startswith(
+                "appliance_tenant_unseen_requests_total") and f'charged="{how}"' in k
+                and f'replica="replica-{index}"' in k)
     got["held"] = sum(v for k, v in tenants.items() if k.startswith("appliance_tenant_unseen_held"))
     for phase in PHASES:
         for kind in KINDS:
@@ -266,6 +270,7 @@ def measure(args: argparse.Namespace, hold: float) -> Rows:
         rng = random.Random(args.seed)
         rows = []
         phases = [(p, (p,)) for p in PHASES] + [("mixed", PHASES)] + ([(KILL, PHASES)] if args.replicas > 1 else [])
+        phases = [(name, names) for name, names in phases if args.phases in ("all", name)]
         for name, names in phases:
             deaths: dict[int, dict[str, float]] = {}
             rest(gateway, engines, args.replicas, hold)
@@ -274,8 +279,12 @@ def measure(args: argparse.Namespace, hold: float) -> Rows:
             asyncio.run(run_phase(gateway, names, args, rng, strike))
             after = rest(gateway, engines, args.replicas, hold)
             engine_rise(after, deaths)
-            rows.append((name, args.requests * len(names), {k: after[k] - before[k] for k in after}))
-            print(f"{name}: done", flush=True)
+            delta = {k: after[k] - before[k] for k in after}
+            rows.append((name, args.requests * len(names), delta))
+            by_replica = ", ".join(f"replica-{i} {delta[f'unseen-{i}/engine']:.0f} / "
+                                   f"{delta[f'unseen-{i}/estimate']:.0f}" for i in range(args.replicas))
+            print(f"{name}: done; unseen requests charged from the engine's count / as estimated: {by_replica}"
+                  + (f"; replica-{next(iter(deaths))} killed" if deaths else ""), flush=True)
         report(rows)
         print(f"hold {hold:g}s: {time.monotonic() - started:.0f}s")
         return rows
@@ -307,6 +316,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the tests' demo model)")
     parser.add_argument("--holds", default="30,0", help="gateway.unseen_hold_seconds of each pass (default 30,0)")
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2; 1: no kill phase)")
+    parser.add_argument("--phases", default="all", help=f"all (default), or one phase's name, e.g. '{KILL}'")
     args = parser.parse_args()
     holds = [float(value) for value in args.holds.split(",")]
     passes = [(hold, measure(args, hold)) for hold in holds]
