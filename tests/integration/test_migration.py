@@ -311,8 +311,11 @@ def test_streams_survive_a_sigkilled_engine_token_exact(appliance):
     at_death: dict[str, tuple[float, float]] = {}
 
     def kill(name: str) -> None:
+        # Nothing between the reading and the kill but the reading: finding the process reads every process's
+        # command line, which can take a second on a loaded host while the streams go on making tokens
+        pid = appliance.vllm_server_pid(int(name.rsplit("-", 1)[1]))
         at_death[name] = engine_tokens(engine(name))
-        os.kill(appliance.vllm_server_pid(int(name.rsplit("-", 1)[1])), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
 
     def running_now(name: str) -> int:
         return engine_running(engine(name))
