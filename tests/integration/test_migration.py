@@ -297,8 +297,9 @@ def rise(now: tuple[float, float], before: tuple[float, float]) -> tuple[float, 
 def test_streams_survive_a_sigkilled_engine_token_exact(appliance):
     """And every token either engine prefilled or generated is charged once: the survivor's tenants' side rose
     exactly as its engine's counters did (the continuations' prefills, the sent tokens re-read as prompt, counted
-    as that engine counted them), the killed one's as its engine had counted when it died (read just before the
-    SIGKILL: within 2%, as the relayed part of each cut stream is what the gateway saw of it)."""
+    as that engine counted them), the killed one's as its engine had counted when it died (its model work paused
+    and its counters read just before the SIGKILL: within 2%, as the relayed part of each cut stream is what the
+    gateway saw of it)."""
     appliance.wait_ready(timeout=300)
 
     def engine(name: str) -> str:
@@ -311,11 +312,19 @@ def test_streams_survive_a_sigkilled_engine_token_exact(appliance):
     at_death: dict[str, tuple[float, float]] = {}
 
     def kill(name: str) -> None:
-        # Nothing between the reading and the kill but the reading: finding the process reads every process's
-        # command line, which can take a second on a loaded host while the streams go on making tokens
-        pid = appliance.vllm_server_pid(int(name.rsplit("-", 1)[1]))
-        at_death[name] = engine_tokens(engine(name))
-        os.kill(pid, signal.SIGKILL)
+        # The engine's model work is paused first, its last outputs let through to its API server (the counters
+        # stand still), and only then are they read and the server killed: read while the engine still works, the
+        # counters fall behind what the gateway relays before the kill (a loaded host takes a second to answer)
+        index = int(name.rsplit("-", 1)[1])
+        pid, cores = appliance.vllm_server_pid(index), appliance.engine_core_processes(index)
+        with paused(*cores):
+            last = None
+            deadline = time.monotonic() + 5
+            while (now := engine_tokens(engine(name))) != last and time.monotonic() < deadline:
+                last = now
+                time.sleep(0.3)
+            at_death[name] = now
+            os.kill(pid, signal.SIGKILL)
 
     def running_now(name: str) -> int:
         return engine_running(engine(name))
