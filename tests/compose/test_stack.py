@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.alertmanager import alert_status, delivered
 from tests.compose.stack import MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, SERVICES, ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
@@ -126,13 +127,15 @@ def test_a_killed_engine_fires_through_alertmanager_resolves_and_leaves_no_zombi
         if crash == 0:
             selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-0", alertstate="firing"}'
             eventually(lambda s=selector: query(compose_stack, s), 90, "ApplianceReplicaNotReady firing")
-            eventually(lambda: _active_in_alertmanager(compose_stack, "ApplianceReplicaNotReady"), 60,
-                       "ApplianceReplicaNotReady active in Alertmanager")
+            status = eventually(lambda: alert_status(compose_stack.alertmanager, "ApplianceReplicaNotReady",
+                                                     "replica-0"), 60, "ApplianceReplicaNotReady in Alertmanager")
+            assert delivered(status), status
         compose_stack.wait_ready(timeout=600)
         assert compose_stack.vllm_server().pid != victim.pid
         if crash == 0:
             eventually(lambda s=selector: not query(compose_stack, s), 60, "the alert resolved in Prometheus")
-            eventually(lambda: not _active_in_alertmanager(compose_stack, "ApplianceReplicaNotReady"), 60,
+            eventually(lambda: not alert_status(compose_stack.alertmanager, "ApplianceReplicaNotReady",
+                                                "replica-0"), 60,
                        "the alert resolved in Alertmanager")
     time.sleep(2)
     assert compose_stack.zombies() == []
@@ -314,9 +317,3 @@ def _stream(gateway: str, headers: dict[str, str], started: threading.Barrier, r
             events.extend(line for line in lines if line)
     finally:
         results.append(events)
-
-
-def _active_in_alertmanager(stack: ComposeStack, alertname: str) -> bool:
-    alerts = httpx.get(f"{stack.alertmanager}/api/v2/alerts", params={"filter": f'alertname="{alertname}"'},
-                       timeout=5).json()
-    return any(a["labels"].get("replica") == "replica-0" and a["status"]["state"] == "active" for a in alerts)
