@@ -4,6 +4,7 @@ routing."""
 import json
 import threading
 
+import aiohttp
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
@@ -190,6 +191,49 @@ def test_a_replica_that_keeps_dropping_connections_gets_one_more_try_only(make_c
     response = client.post("/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 502, response.text
     assert len(stubs[0].received) == 2
+
+
+def failing_connects(client, count: int) -> list[str]:
+    """The client's gateway's first ``count`` connections to an engine time out, as aiohttp reports one (a gateway
+    whose loop ran late past its connect deadline on a busy host: a CI run saw it); the replicas it went to."""
+    upstream = context_of(client.app).gateway.upstream
+    post, tried = upstream.post, []
+
+    async def post_late(exchange, path, body):
+        tried.append(exchange.replica.name)
+        if len(tried) <= count:
+            raise aiohttp.ConnectionTimeoutError("Connection timeout to host")
+        return await post(exchange, path, body)
+
+    upstream.post = post_late
+    return tried
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connect_timeout_on_the_only_replica_is_tried_again_there(make_client, replicas, stream):
+    replicas[1].routable = False  # the other replica is restarting
+    client = make_client()
+    tried = failing_connects(client, 1)
+    response = client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+    assert response.status_code == 200, response.text
+    assert tried == ["replica-0", "replica-0"]
+    assert context_of(client.app).gateway.router.in_flight() == 0
+
+
+def test_a_connect_timeout_goes_to_another_replica_where_there_is_one(make_client):
+    client = make_client()
+    tried = failing_connects(client, 1)
+    assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+    assert len(tried) == 2 and tried[0] != tried[1]
+
+
+def test_a_replica_whose_connects_keep_timing_out_gets_one_more_try_only(make_client, replicas):
+    replicas[1].routable = False
+    client = make_client()
+    tried = failing_connects(client, 10)
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error", response.text
+    assert tried == ["replica-0", "replica-0"]
 
 
 def test_every_request_to_an_engine_carries_the_engine_key_and_the_engines_refuse_others(make_client, stubs):

@@ -47,11 +47,14 @@ SHUTDOWN_EVENT = ("data: " + json.dumps(error_body(
 class RetryableUpstreamError(Exception):
     """The replica failed before it could have done any work; another replica may take the request.
     ``stale``: the connection dropped without an answer, as a pooled keep-alive connection that the engine closed
-    does; the same replica may take the request on a new connection."""
+    does; the same replica may take the request on a new connection. ``unconnected``: no connection within the
+    connect timeout, which on a busy host is as often the gateway's own loop running late past its deadline as the
+    engine; where no other replica could take the request, the same one may, once."""
 
-    def __init__(self, message: str, *, stale: bool = False) -> None:
+    def __init__(self, message: str, *, stale: bool = False, unconnected: bool = False) -> None:
         super().__init__(message)
         self.stale = stale
+        self.unconnected = unconnected
 
 
 class ConfirmElsewhere(RetryableUpstreamError):

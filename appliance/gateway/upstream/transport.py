@@ -163,7 +163,7 @@ class Upstream:
         attempts = 0
         kind = "first"
         patient = False  # a retry whose only other replicas are ejected for now waits for one (admit_patiently)
-        dropped: set[str] = set()  # replicas that dropped a connection unanswered once: each gets one more try
+        again: set[str] = set()  # replicas given one more try (``_once_more``): each gets one only
         while attempts < self.max_attempts:
             await (self.admit_patiently(exchange, kind) if patient else self.admit(exchange, kind))
             replica = exchange.replica
@@ -180,10 +180,9 @@ class Upstream:
             except RetryableUpstreamError as exc:
                 last_error = str(exc)
                 exchange.end_attempt(Outcome.FAILURE, f"retry: {exc}", dropped=exc.stale)
-                if exc.stale and replica.name not in dropped:
-                    dropped.add(replica.name)  # likely a stale pooled connection, not the replica: once more
-                    log.warning("%s dropped the connection before answering (%s); trying it once more",
-                                replica.name, exc)
+                if replica.name not in again and (why := self._once_more(exc, exchange.tried | {replica.name})):
+                    again.add(replica.name)
+                    log.warning("%s %s (%s); trying it once more", replica.name, why, exc)
                     continue
                 attempts += 1
                 kind = "confirm" if isinstance(exc, ConfirmElsewhere) else "retry"
@@ -233,6 +232,17 @@ class Upstream:
         finally:
             self._waiting.discard(exchange)
 
+    def _once_more(self, exc: RetryableUpstreamError, tried: set[str]) -> str | None:
+        """Why the replica that just failed a request before reaching its engine should have it once more, first
+        (None: it should not): a dropped connection is most likely a stale pooled one, not the replica; a connect
+        timeout, where no other replica could take the request, is as likely the gateway's own loop, run late past
+        its deadline on a busy host, and the only alternative is a 502."""
+        if exc.stale:
+            return "dropped the connection before answering"
+        if exc.unconnected and not self._routable_besides(tried):
+            return "made no connection in time and no other replica could take the request"
+        return None
+
     def _routable_besides(self, tried: set[str]) -> bool:
         """Whether a replica not yet tried is in routing (ejected or not): one worth waiting for."""
         return any(r.routable and r.name not in tried for r in self.admission.router.replicas())
@@ -269,7 +279,8 @@ class Upstream:
         except UPSTREAM_ERRORS as exc:
             exchange.settle(failure_outcome(exc))
             if never_reached_engine(exc):
-                raise RetryableUpstreamError(type(exc).__name__, stale=dropped_connection(exc)) from exc
+                raise RetryableUpstreamError(type(exc).__name__, stale=dropped_connection(exc),
+                                             unconnected=isinstance(exc, aiohttp.ConnectionTimeoutError)) from exc
             exchange.end_attempt(failure_outcome(exc), type(exc).__name__)
             raise upstream_failure(exc) from exc
         if upstream.status in RETRYABLE_STATUS:
