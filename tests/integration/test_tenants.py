@@ -308,8 +308,16 @@ def test_a_prompt_cached_by_one_tenant_is_not_cached_for_another(single):
     assert cached_tokens(app, "key-a", prompt) > 0
 
 
+def engine_holds(app: ApplianceProcess) -> tuple[float, float]:
+    """The requests the engine runs and the ones waiting in its own queue, as its /metrics says now."""
+    url = f"http://127.0.0.1:{app.engine_port(0)}/metrics"
+    return (sum(samples(url, "vllm:num_requests_running").values()),
+            sum(samples(url, "vllm:num_requests_waiting").values()))
+
+
 def flood_then_high(app: ApplianceProcess) -> tuple[list[dict], dict]:
-    """6 long streams of team-a, then (a second later) a short one of team-hi; the gateway's records of them."""
+    """6 long streams of team-a, then a short one of team-hi as soon as the engine holds all 6 (2 running, 4
+    waiting: on a loaded host a fixed pause was too short or too long); the gateway's records of them."""
 
     def stream(name: str, key: str, max_tokens: int) -> None:
         body = {"model": "demo", "prompt": f"Request {name}: tell a long story.", "max_tokens": max_tokens,
@@ -321,7 +329,9 @@ def flood_then_high(app: ApplianceProcess) -> tuple[list[dict], dict]:
 
     with ThreadPoolExecutor(7) as pool:
         flood = [pool.submit(stream, f"a{i}", "key-a", 960) for i in range(6)]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while engine_holds(app) != (2, 4) and time.monotonic() < deadline and not any(f.done() for f in flood):
+            time.sleep(0.05)  # (not there in time: the records show it, and the scenario runs again)
         high = pool.submit(stream, "hi", "key-hi", 4)
         for future in (*flood, high):
             future.result()
@@ -341,11 +351,12 @@ def test_the_tenants_priority_reaches_vllms_scheduler(single):
     first served, it would run after all 4 waiting ones. Times are the gateway's own (its request records: when
     each was dispatched, when it ended), so a test process starved of CPU on a busy host reads them right; a wave
     of 2 lasts seconds. Should the host be so slow that team-hi's request was not dispatched while all 6 were at
-    the engine (the precondition), the scenario runs again."""
+    the engine (the precondition: in a CI run the gateway's event loop ran 4.5 s late, and read team-hi's request
+    only after the first wave had ended), the scenario runs again."""
     app = single
     policy = samples(f"{app.url}/metrics", "appliance_replica_scheduling_policy")
     assert policy[(("policy", "priority"), ("replica", "replica-0"))] == 1, policy
-    for _ in range(3):
+    for _ in range(5):
         flood, high = flood_then_high(app)
         dispatched = high["arrived_at"] + high["attempts"][0]["started_after_seconds"]
         ends = sorted(r["arrived_at"] + r["e2e_seconds"] for r in flood)
