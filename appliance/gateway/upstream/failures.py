@@ -76,6 +76,18 @@ def dropped_connection(exc: BaseException) -> bool:
             and not isinstance(exc, aiohttp.ClientConnectorError))
 
 
+def once_more(exc: RetryableUpstreamError, *, alone: bool) -> str | None:
+    """Why the replica that just failed a request before reaching its engine should have it once more, first
+    (None: it should not): a dropped connection is most likely a stale pooled one, not the replica; a connect
+    timeout where no other replica could take the request (``alone``) is as likely the gateway's own loop, run late
+    past its deadline on a busy host, and the only alternative is a 502."""
+    if exc.stale:
+        return "dropped the connection before answering"
+    if exc.unconnected and alone:
+        return "made no connection in time and no other replica could take the request"
+    return None
+
+
 def never_reached_engine(exc: BaseException) -> bool:
     """Whether an upstream failure left no work behind on the engine, so that a retry duplicates nothing."""
     if isinstance(exc, aiohttp.ConnectionTimeoutError):  # the connection was never made

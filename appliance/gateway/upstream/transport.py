@@ -43,6 +43,7 @@ from appliance.gateway.upstream.failures import (
     error_message,
     failure_outcome,
     never_reached_engine,
+    once_more,
     upstream_failure,
 )
 from appliance.gateway.upstream.hook import Block, Break, End, HookChain, Resolution, StreamBreak
@@ -163,7 +164,7 @@ class Upstream:
         attempts = 0
         kind = "first"
         patient = False  # a retry whose only other replicas are ejected for now waits for one (admit_patiently)
-        again: set[str] = set()  # replicas given one more try (``_once_more``): each gets one only
+        again: set[str] = set()  # replicas given one more try (``once_more``): each gets one only
         while attempts < self.max_attempts:
             await (self.admit_patiently(exchange, kind) if patient else self.admit(exchange, kind))
             replica = exchange.replica
@@ -180,7 +181,8 @@ class Upstream:
             except RetryableUpstreamError as exc:
                 last_error = str(exc)
                 exchange.end_attempt(Outcome.FAILURE, f"retry: {exc}", dropped=exc.stale)
-                if replica.name not in again and (why := self._once_more(exc, exchange.tried | {replica.name})):
+                alone = not self._routable_besides(exchange.tried | {replica.name})
+                if replica.name not in again and (why := once_more(exc, alone=alone)):
                     again.add(replica.name)
                     log.warning("%s %s (%s); trying it once more", replica.name, why, exc)
                     continue
@@ -231,17 +233,6 @@ class Upstream:
             raise APIError(503, "the gateway is shutting down (drain timeout)", code="shutting_down")
         finally:
             self._waiting.discard(exchange)
-
-    def _once_more(self, exc: RetryableUpstreamError, tried: set[str]) -> str | None:
-        """Why the replica that just failed a request before reaching its engine should have it once more, first
-        (None: it should not): a dropped connection is most likely a stale pooled one, not the replica; a connect
-        timeout, where no other replica could take the request, is as likely the gateway's own loop, run late past
-        its deadline on a busy host, and the only alternative is a 502."""
-        if exc.stale:
-            return "dropped the connection before answering"
-        if exc.unconnected and not self._routable_besides(tried):
-            return "made no connection in time and no other replica could take the request"
-        return None
 
     def _routable_besides(self, tried: set[str]) -> bool:
         """Whether a replica not yet tried is in routing (ejected or not): one worth waiting for."""
