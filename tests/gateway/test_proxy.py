@@ -194,8 +194,8 @@ def test_a_replica_that_keeps_dropping_connections_gets_one_more_try_only(make_c
 
 
 def failing_connects(client, count: int) -> list[str]:
-    """The client's gateway's first ``count`` connections to an engine time out, as aiohttp reports one (a gateway
-    whose loop ran late past its connect deadline on a busy host: a CI run saw it); the replicas it went to."""
+    """The client's gateway's first ``count`` connections to an engine time out, as aiohttp reports one (what a
+    gateway whose loop runs late past its connect deadline on a busy host meets); the replicas it went to."""
     upstream = context_of(client.app).gateway.upstream
     post, tried = upstream.post, []
 

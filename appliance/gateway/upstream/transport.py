@@ -192,7 +192,7 @@ class Upstream:
                 log.warning("%s failed before first byte (%s); %s elsewhere", replica.name, exc,
                             "confirming" if kind == "confirm" else "retrying")
                 if not self.admission.router.any_eligible(exchange.tried):
-                    if not self._routable_besides(exchange.tried):
+                    if alone:
                         break
                     patient = True  # e.g. the engine died while the other replica sat out a TTFT ejection
         raise APIError(502, f"upstream failed: {last_error}", code="upstream_error")
