@@ -129,6 +129,27 @@ def test_a_stream_that_is_not_continued_relays_the_engines_error_and_still_opens
     assert no_failure_counted(client), counted(client)
 
 
+def test_a_poison_waits_for_the_only_other_replica_to_end_its_ejection_to_be_told(engines):
+    """The only other replica sits out a short ejection (a TTFT outlier on a loaded host) when a poison fails: the
+    request waits for it, as a retry does, and is told there (422), rather than answered the engine's 500 and
+    counted against the one replica left in rotation (three such in a row ejected it too)."""
+    fleet = [FakeReplica(f"replica-{i}", engine.url) for i, engine in enumerate(engines[:2])]
+    make = app_clients(fleet, lambda **overrides: Settings(
+        served_model_name="demo", routing={"scorers": {"policy": "round_robin"}, "eject_base_seconds": 0.5},
+        **overrides))
+    client = next(make)()
+    try:
+        serve_everywhere(client)
+        router(client).ejector.eject("replica-1", "TTFT outlier: 0.86s vs peers' median 0.14s")
+        first = client.post("/v1/completions", json={"prompt": POISONED, "max_tokens": 3})
+        assert first.status_code == 422 and first.json()["error"]["code"] == REFUSED_CODE, first.text
+        assert [e.poisoned for e in engines] == [1, 1, 0]
+        assert router(client).health_of("replica-0").consecutive_failures == 0
+        assert hook(client).verdicts["input"] == 2 and hook(client).verdicts["engine"] == 0
+    finally:
+        next(make, None)
+
+
 def test_an_engine_whose_different_requests_fail_is_still_ejected(gateway, engines):
     """Each failure on replica-0 is confirmed on another replica, where that request succeeds: the engine's fault,
     counted as before; the client gets the other replica's answer."""

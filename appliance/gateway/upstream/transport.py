@@ -334,15 +334,16 @@ class Upstream:
     def _judge_error_answer(self, exchange: Exchange, status: int, message: str, confirmable: bool) -> None:
         """An engine's own error answer, nothing sent to the client yet: the hooks hear it; a hook that finds the
         input at fault ends the request with its error; else, when a hook judges such answers, the request is tried
-        once more elsewhere to tell the input's fault from the engine's (``ConfirmElsewhere``). Otherwise the
-        client gets the engine's answer, as it came."""
+        once more elsewhere to tell the input's fault from the engine's (``ConfirmElsewhere``), on a replica in
+        routing, even one sitting out an ejection for now (the retry waits for it): only another replica tells, and
+        without one the error counts against the one replica left. Otherwise the client gets the engine's answer,
+        as it came."""
         replica = exchange.attempt.replica
         exchange.end_attempt(Outcome.SERVER_ERROR, f"{ENGINE_ERROR_REASON}HTTP {status}, {message}")
         blamed = exchange.hooks.judge_error(exchange.attempt)
         if blamed is not None:
             raise blamed
-        if (confirmable and exchange.hooks.judges_errors
-                and self.admission.router.any_eligible(exchange.tried | {replica})):
+        if confirmable and exchange.hooks.judges_errors and self._routable_besides(exchange.tried | {replica}):
             raise ConfirmElsewhere(f"HTTP {status}")
 
     # -- the relay ------------------------------------------------------------------------------------------------
