@@ -129,25 +129,48 @@ def test_a_stream_that_is_not_continued_relays_the_engines_error_and_still_opens
     assert no_failure_counted(client), counted(client)
 
 
-def test_a_poison_waits_for_the_only_other_replica_to_end_its_ejection_to_be_told(engines):
-    """The only other replica sits out a short ejection (a TTFT outlier on a loaded host) when a poison fails: the
-    request waits for it, as a retry does, and is told there (422), rather than answered the engine's 500 and
-    counted against the one replica left in rotation (three such in a row ejected it too)."""
+@pytest.fixture
+def pair(engines):
+    """make(ejection_seconds, **settings): a gateway over two of the engines, round robin, replica-1 ejected for
+    ``ejection_seconds`` once each has served a request (as a TTFT outlier on a loaded host is)."""
     fleet = [FakeReplica(f"replica-{i}", engine.url) for i, engine in enumerate(engines[:2])]
-    make = app_clients(fleet, lambda **overrides: Settings(
-        served_model_name="demo", routing={"scorers": {"policy": "round_robin"}, "eject_base_seconds": 0.5},
-        **overrides))
-    client = next(make)()
-    try:
+    opened = app_clients(fleet, lambda **overrides: Settings(
+        served_model_name="demo", routing={"scorers": {"policy": "round_robin"},
+                                           "eject_base_seconds": overrides.pop("ejection_seconds")}, **overrides))
+
+    def make(ejection_seconds: float, **overrides: object) -> TestClient:
+        client = next(opened)(ejection_seconds=ejection_seconds, **overrides)
         serve_everywhere(client)
         router(client).ejector.eject("replica-1", "TTFT outlier: 0.86s vs peers' median 0.14s")
-        first = client.post("/v1/completions", json={"prompt": POISONED, "max_tokens": 3})
-        assert first.status_code == 422 and first.json()["error"]["code"] == REFUSED_CODE, first.text
-        assert [e.poisoned for e in engines] == [1, 1, 0]
-        assert router(client).health_of("replica-0").consecutive_failures == 0
-        assert hook(client).verdicts["input"] == 2 and hook(client).verdicts["engine"] == 0
-    finally:
-        next(make, None)
+        return client
+
+    yield make
+    next(opened, None)
+
+
+def test_a_poison_waits_for_the_only_other_replica_to_end_its_ejection_to_be_told(pair, engines):
+    """The only other replica sits out a short ejection when a poison fails: the request waits for it, as a retry
+    does, and is told there (422), rather than answered the engine's 500 and counted against the one replica left
+    in rotation (three such in a row ejected it too)."""
+    client = pair(0.5)
+    first = client.post("/v1/completions", json={"prompt": POISONED, "max_tokens": 3})
+    assert first.status_code == 422 and first.json()["error"]["code"] == REFUSED_CODE, first.text
+    assert [e.poisoned for e in engines] == [1, 1, 0]
+    assert router(client).health_of("replica-0").consecutive_failures == 0
+    assert hook(client).verdicts["input"] == 2 and hook(client).verdicts["engine"] == 0
+
+
+def test_a_poison_the_other_replica_cannot_take_within_the_queue_timeout_gets_the_engines_answer(pair, engines):
+    """The only other replica stays ejected past the queue timeout: nothing can tell, so the client gets what the
+    engine answered (not the 503 of a replica-less wait), and the failure counts against that engine."""
+    client = pair(60.0, admission={"queue_timeout_seconds": 0.3})
+    answer = client.post("/v1/completions", json={"prompt": POISONED, "max_tokens": 3})
+    assert answer.status_code == 500, answer.text
+    assert answer.json()["error"]["message"] == "Internal server error"
+    assert answer.headers["x-appliance-replica"] == "replica-0"
+    assert [e.poisoned for e in engines] == [1, 0, 0]
+    assert router(client).health_of("replica-0").consecutive_failures == 1
+    assert hook(client).verdicts["engine"] == 1 and hook(client).verdicts["input"] == 0
 
 
 def test_an_engine_whose_different_requests_fail_is_still_ejected(gateway, engines):

@@ -60,7 +60,15 @@ class RetryableUpstreamError(Exception):
 class ConfirmElsewhere(RetryableUpstreamError):
     """An engine answered an error of its own (SERVER_ERROR) before anything reached the client: the request is
     tried once more on another replica, which tells the engine's fault (it succeeds there) from the input's (it
-    fails there too). The failed engine finished with the request: nothing runs twice."""
+    fails there too). The failed engine finished with the request: nothing runs twice. Its answer is kept: where
+    no replica can take the request to tell (the only other one stayed ejected past the queue timeout), the client
+    gets it as it came."""
+
+    def __init__(self, status: int, content: bytes, media_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.content = content
+        self.media_type = media_type
 
 
 class RerunElsewhere(RetryableUpstreamError):

@@ -165,8 +165,14 @@ class Upstream:
         kind = "first"
         patient = False  # a retry whose only other replicas are ejected for now waits for one (admit_patiently)
         again: set[str] = set()  # replicas given one more try (``once_more``): each gets one only
+        told: ConfirmElsewhere | None = None  # an engine's error answer, to be told from its input's elsewhere
         while attempts < self.max_attempts:
-            await (self.admit_patiently(exchange, kind) if patient else self.admit(exchange, kind))
+            try:
+                await (self.admit_patiently(exchange, kind) if patient else self.admit(exchange, kind))
+            except APIError:
+                if told is None:
+                    raise
+                return self._untold(exchange, told)
             replica = exchange.replica
             try:
                 return await self._send(exchange, confirmable=attempts + 1 < self.max_attempts)
@@ -188,6 +194,7 @@ class Upstream:
                     continue
                 attempts += 1
                 kind = "confirm" if isinstance(exc, ConfirmElsewhere) else "retry"
+                told = exc if isinstance(exc, ConfirmElsewhere) else told
                 exchange.tried.add(replica.name)
                 log.warning("%s failed before first byte (%s); %s elsewhere", replica.name, exc,
                             "confirming" if kind == "confirm" else "retrying")
@@ -323,7 +330,8 @@ class Upstream:
         outcome = answer_outcome(upstream.status, content)
         exchange.settle(outcome)
         if outcome is Outcome.SERVER_ERROR:
-            self._judge_error_answer(exchange, upstream.status, error_message(content), confirmable)
+            self._judge_error_answer(exchange, ConfirmElsewhere(
+                upstream.status, content, upstream.headers.get("content-type", "application/json")), confirmable)
         block = Block(content, content, time.monotonic())
         if outcome is Outcome.SUCCESS:
             exchange.hooks.relayed(block)
@@ -331,20 +339,29 @@ class Upstream:
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers=self._response_headers(exchange))
 
-    def _judge_error_answer(self, exchange: Exchange, status: int, message: str, confirmable: bool) -> None:
+    def _judge_error_answer(self, exchange: Exchange, answer: ConfirmElsewhere, confirmable: bool) -> None:
         """An engine's own error answer, nothing sent to the client yet: the hooks hear it; a hook that finds the
         input at fault ends the request with its error; else, when a hook judges such answers, the request is tried
         once more elsewhere to tell the input's fault from the engine's (``ConfirmElsewhere``), on a replica in
         routing, even one sitting out an ejection for now (the retry waits for it): only another replica tells, and
         without one the error counts against the one replica left. Otherwise the client gets the engine's answer,
-        as it came."""
+        as it came: also where no replica took the request to tell by the queue timeout (``_untold``)."""
         replica = exchange.attempt.replica
-        exchange.end_attempt(Outcome.SERVER_ERROR, f"{ENGINE_ERROR_REASON}HTTP {status}, {message}")
+        message = error_message(answer.content)
+        exchange.end_attempt(Outcome.SERVER_ERROR, f"{ENGINE_ERROR_REASON}HTTP {answer.status}, {message}")
         blamed = exchange.hooks.judge_error(exchange.attempt)
         if blamed is not None:
             raise blamed
         if confirmable and exchange.hooks.judges_errors and self._routable_besides(exchange.tried | {replica}):
-            raise ConfirmElsewhere(f"HTTP {status}")
+            raise answer
+
+    def _untold(self, exchange: Exchange, answer: ConfirmElsewhere) -> Response:
+        """No replica took the request to tell its engine's error answer from its input's: that answer, as it came
+        (its verdict is the engine's, as where no other replica is in routing)."""
+        log.warning("%s answered an error of its own (%s) and no other replica took the request to tell; the client "
+                    "gets that answer", exchange.attempt.replica, answer)
+        return Response(content=answer.content, status_code=answer.status, media_type=answer.media_type,
+                        headers=self._response_headers(exchange))
 
     # -- the relay ------------------------------------------------------------------------------------------------
 
