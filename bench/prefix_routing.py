@@ -477,8 +477,9 @@ async def publish_reset(session: aiohttp.ClientSession, engines: list[str]) -> N
 
 async def indexes_usable(session: aiohttp.ClientSession, gateway: str, replicas: int, timeout: float
                          ) -> float | None:
-    """Wait until the gateway routes on every replica's event index and each index is empty (the engines' reset
-    applied); the seconds it took (None: not in time)."""
+    """Wait until the gateway routes on every replica's event index, each index is empty (the engines' reset
+    applied) and its tokenizer has loaded (until then prompts go untokenized); the seconds it took (None: not in
+    time)."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         async with session.get(f"{gateway}/metrics") as resp:
@@ -488,7 +489,7 @@ async def indexes_usable(session: aiohttp.ClientSession, gateway: str, replicas:
                   if line.startswith("appliance_routing_kv_index_usable{") and line.endswith(" 1.0")]
         held = [line for line in lines
                 if line.startswith("appliance_routing_kv_index_blocks{") and not line.endswith(" 0.0")]
-        if len(usable) >= replicas and not held:
+        if len(usable) >= replicas and not held and "appliance_routing_tokenizer_loaded 1.0" in lines:
             return round(time.monotonic() - started, 1)
         await asyncio.sleep(0.5)
     return None

@@ -7,6 +7,7 @@ no index is current, are routed without waiting for tokens."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ from fastapi.testclient import TestClient
 from appliance.app import create_app
 from appliance.context import context_of
 from appliance.gateway.routing.kv_events.hashing import BlockHasher
+from appliance.gateway.routing.kv_events.hook import PromptTokensHook
 from appliance.gateway.routing.kv_events.hub import KvEventsHub
 from appliance.gateway.routing.kv_events.tokens import PromptTokenizer, token_job
 from appliance.gateway.workers.metrics import MergedRegistry
@@ -41,6 +43,12 @@ def wait(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def tokenizers_loaded(metrics: Callable[[], str], count: int = 1) -> None:
+    """Until ``count`` gateway processes have loaded the tokenizer (in the background: importing transformers takes
+    tens of seconds on a loaded host, and a request meanwhile is routed without its tokens)."""
+    wait(lambda: f"appliance_routing_tokenizer_loaded {float(count)}" in metrics(), timeout=120)
 
 
 @pytest.fixture
@@ -83,6 +91,7 @@ def test_a_prompt_goes_where_its_engine_reports_it_cached(precise, stubs):
     assert isinstance(hub, KvEventsHub)
     wait(lambda: hub.usable("replica-1") is not None)  # subscribed at replica-1's port + offset, in step
     publish_chat_blocks(engine, hub, model)
+    tokenizers_loaded(lambda: client.get("/metrics").text)
 
     response = client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 200, response.text
@@ -115,9 +124,12 @@ def test_with_workers_a_prompt_tokenized_in_a_worker_goes_where_its_engine_repor
             sent = pool.decider
             wait(lambda: sent._fleet is not None and sent._fleet.kv_usable, timeout=5)  # told to the workers
             with httpx.Client(base_url=live.url, timeout=30) as http:
+                # the decider's and both workers' (either worker may take the request), summed
+                tokenizers_loaded(lambda: http.get("/metrics").text, count=3)
                 response = http.post("/v1/chat/completions", json=CHAT)
                 assert response.status_code == 200, response.text
-                assert len(stubs[1].received) == 1 and not stubs[0].received
+                assert len(stubs[1].received) == 1 and not stubs[0].received, \
+                    [line for line in http.get("/metrics").text.splitlines() if "tokeniz" in line]
                 wait(lambda: "appliance_routing_prompts_tokenized_total 1.0" in http.get("/metrics").text)
                 assert 'appliance_routing_prefix_source_total{source="precise"} 1.0' in http.get("/metrics").text
     finally:
@@ -132,6 +144,25 @@ def test_what_cannot_be_tokenized_is_routed_at_once(precise, stubs):
     response = client.post("/v1/completions", json={"model": "demo", "prompt": ["one", "two"], "max_tokens": 1})
     assert response.status_code == 200, response.text
     assert 'appliance_routing_prompts_untokenized_total{reason="unsupported"} 1.0' in client.get("/metrics").text
+
+
+def test_a_request_does_not_wait_for_the_tokenizer_to_load(precise, stubs):
+    """Until the tokenizer has loaded, a prompt is routed without its tokens, at once, and says why."""
+    client, engine, model = precise
+    hub = context_of(client.app).gateway.kv_events
+    assert isinstance(hub, KvEventsHub)
+    wait(lambda: hub.usable("replica-1") is not None)
+    publish_chat_blocks(engine, hub, model)
+    gateway = context_of(client.app).gateway
+    tokenizer = next(h for h in gateway.upstream.hooks if isinstance(h, PromptTokensHook)).tokenizer
+    tokenizer.loaded.clear()  # as it is from the start until a thread has loaded it
+    response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert len(stubs[0].received) == 1 and not stubs[1].received  # the tie goes to replica-0: no tokens
+    metrics = client.get("/metrics").text
+    assert 'appliance_routing_prompts_untokenized_total{reason="loading"} 1.0' in metrics
+    assert "appliance_routing_tokenizer_loaded 0.0" in metrics
+    assert "appliance_routing_prompts_tokenized_total 0.0" in metrics
 
 
 def test_approximate_mode_builds_nothing_of_it(stubs):

@@ -42,6 +42,12 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def tokenizer_loaded(url: str) -> bool:
+    """The gateway has loaded the model's tokenizer (in the background from its start): until then a prompt is
+    routed without its tokens."""
+    return "appliance_routing_tokenizer_loaded 1.0" in httpx.get(f"{url}/metrics", timeout=30).text
+
+
 def decision(url: str, request_id: str) -> dict:
     record = httpx.get(f"{url}/admin/requests/{request_id}", headers=ADMIN, timeout=30).json()
     return record["attempts"][-1]["decision"] | {"replica": record["replica"]}
@@ -72,6 +78,7 @@ def test_the_served_prompts_blocks_are_indexed_and_its_repeat_goes_there(applian
     url = appliance.url
     wait_for(lambda: samples(url, "appliance_routing_kv_index_usable") == {"replica-0": 1.0, "replica-1": 1.0},
              60, "both replicas' event indexes in step")
+    wait_for(lambda: tokenizer_loaded(url), 120, "the gateway's tokenizer")
     size = block_size(appliance)
     topic = f"Conversation {uuid.uuid4().hex}: the for statement, the while statement and the with statement. "
     if route == "chat":

@@ -193,7 +193,7 @@ def test_gateways_route_on_the_same_engines_kv_events(demo_model_int8, tmp_path)
     the engine that holds it, on that engine's own events: every full block, as the second gateway hashes them."""
     from appliance.gateway.routing.kv_events.tokens import PromptTokenizer, token_job
     from tests.integration.conftest import ports_with_kv_events
-    from tests.integration.test_kv_events import samples
+    from tests.integration.test_kv_events import samples, tokenizer_loaded
 
     dns = TestDNSServer().start()
     engine_port = ports_with_kv_events(2)
@@ -226,6 +226,7 @@ def test_gateways_route_on_the_same_engines_kv_events(demo_model_int8, tmp_path)
             gw.wait_ready(replicas=2, timeout=60)
             wait_until(lambda gw=gw: samples(gw.url, "appliance_routing_kv_index_usable") == dict.fromkeys(names, 1.0),
                        timeout=60)
+            wait_until(lambda gw=gw: tokenizer_loaded(gw.url), timeout=120)
         text = httpx.get(f"http://127.0.0.2:{engine_port}/metrics", timeout=30).text  # vLLM's own block size
         line = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
         size = int(line.split('block_size="', 1)[1].split('"', 1)[0])

@@ -64,6 +64,9 @@ class PromptTokensHook:
         if job is None:
             self.skipped["unsupported"] += 1
             return
+        if not self.tokenizer.loaded.is_set():  # still importing transformers: never wait for that
+            self.skipped["loading"] += 1
+            return
         if self.pending >= self.max_pending:
             self.skipped["busy"] += 1
             return

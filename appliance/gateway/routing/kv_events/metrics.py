@@ -15,7 +15,7 @@ from appliance.gateway.routing.kv_events.scorer import FALLBACK_REASONS, SOURCES
 
 RESET_REASONS = ("restart", "publisher_restart", "all_blocks_cleared", "sync", "replay_gap", "replay_failed",
                  "undecodable", "malformed")
-SKIP_REASONS = ("no_index", "unsupported", "busy", "failed")
+SKIP_REASONS = ("no_index", "unsupported", "loading", "busy", "failed")
 
 
 class KvEventsCollector(Collector):
@@ -98,10 +98,16 @@ class TokenizerCollector(Collector):
                                   "routing.", value=hook.tokenized)
         yield CounterMetricFamily("appliance_routing_prompt_tokenize_seconds", "Worker time spent tokenizing "
                                   "prompts for routing.", value=hook.seconds)
+        yield GaugeMetricFamily("appliance_routing_tokenizer_loaded", "1 once the model's tokenizer has loaded "
+                                "for precise prefix routing (in the background from the start; until then prompts "
+                                "are routed without their tokens); with gateway workers, summed over the gateway's "
+                                "processes.", value=1.0 if hook.tokenizer.loaded.is_set()
+                                else 0.0)
         skipped = CounterMetricFamily("appliance_routing_prompts_untokenized", "Requests routed without their "
                                       "tokens, by why: no_index (no replica's event index is current), "
-                                      "unsupported (several prompts, embeddings, images), busy "
-                                      "(max_pending_tokenizations), failed.", labels=["reason"])
+                                      "unsupported (several prompts, embeddings, images), loading (the tokenizer "
+                                      "has not loaded yet), busy (max_pending_tokenizations), failed.",
+                                      labels=["reason"])
         for reason in SKIP_REASONS:
             skipped.add_metric([reason], hook.skipped[reason])
         yield skipped

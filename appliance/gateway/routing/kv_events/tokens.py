@@ -15,11 +15,14 @@ request, prompt embeddings, and chat content other than text (images: their hash
 ``cache_salt`` is read from the body as the engine will get it (after the tenants' own salt was set).
 
 A fast tokenizer is not safe to share between threads (transformers sets truncation on the Rust object per call),
-so each worker thread loads its own.
+so each worker thread loads its own. They load in the background from the start (importing transformers takes
+seconds, tens of seconds on a loaded host); until one has loaded, requests are routed without their tokens rather
+than wait for it (``loaded``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +34,8 @@ from appliance.gateway.routing.kv_events.hashing import BlockHasher
 _CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "chat_template", "tools", "documents")
 _MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")  # what vLLM keeps of a message besides role and content
 _LOADING = threading.Lock()
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,8 +74,15 @@ class PromptTokenizer:
         self.path = path
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="appliance-tokenize")
         self._local = threading.local()
+        self.loaded = threading.Event()  # a thread has its tokenizer: a request need not wait for a load
         for _ in range(threads):  # load in the background now, not on the first requests
-            self.pool.submit(self._tokenizer)
+            self.pool.submit(self._load)
+
+    def _load(self) -> None:
+        try:
+            self._tokenizer()
+        except Exception:  # requests stay routed without tokens; the reason is in the log
+            log.exception("the tokenizer in %s did not load: prompts are routed without their tokens", self.path)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -82,6 +94,7 @@ class PromptTokenizer:
                 from transformers import AutoTokenizer  # seconds to import: only where precise routing is on
 
                 found = self._local.tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            self.loaded.set()
         return found
 
     def tokenize(self, job: TokenJob) -> list[int]:
