@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,6 +106,16 @@ def prime(url: str) -> set[str]:
     return primed
 
 
+def in_rotation(url: str, timeout: float = 60) -> None:
+    """Both replicas in routing and neither ejected (a TTFT outlier on a loaded host is ejected for a few
+    seconds; one that sat out its health checks is back once it answers them)."""
+    deadline = time.monotonic() + timeout
+    while (ready := httpx.get(f"{url}/health/ready", timeout=10).json())["routable_replicas"] != 2 \
+            or ready["ejected_replicas"]:
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.5)
+
+
 def poison(url: str, stream: bool) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={**POISON, "stream": stream}, timeout=120)
 
@@ -120,6 +131,7 @@ def test_a_prompt_that_makes_vllm_raise_sent_20_times_ejects_no_replica_and_the_
     for worker in warm:
         worker.join(180)
     assert len(served) == 4 and not failures, (served, failures)
+    in_rotation(url)  # a fleet whose two replicas can each tell: the breaker's case, not a replica's outage
     before, errors_before = gateway_counts(url), engine_errors(appliance)
 
     # A client sending it again and again: three whole answers (500 each, before: three failures in a row on the
