@@ -26,6 +26,8 @@ import json
 
 import aiohttp
 
+from appliance.engine.contract import Replica, ReplicaState
+from appliance.gateway.migration import ledger as migration
 from appliance.gateway.routing.router import Outcome
 from appliance.gateway.upstream.hook import StreamBreak
 from appliance.http.errors import APIError, error_body
@@ -164,3 +166,19 @@ def describe(exc: BaseException) -> str:
 def error_event(error: APIError, message: str) -> bytes:
     """An OpenAI error as the stream's last event."""
     return f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
+
+def draining(replica: Replica) -> bool:
+    status = getattr(replica, "status", None)
+    return status is not None and (status.planned_restart or status.state in (ReplicaState.DRAINING,
+                                                                             ReplicaState.STOPPING))
+
+
+def break_reason(exc: BaseException, replica: Replica) -> str:
+    """The label of a break: a replica being drained or restarted explains any break; then the break itself."""
+    if draining(replica):
+        return migration.DRAIN
+    if isinstance(exc, StreamBreak):
+        return exc.reason
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return migration.IDLE_TIMEOUT
+    return migration.CONNECTION

@@ -20,7 +20,7 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import Response
 
-from appliance.engine.contract import Replica, ReplicaState
+from appliance.engine.contract import Replica
 from appliance.gateway.admission.slots import Lease
 from appliance.gateway.decisions import AdmissionState
 from appliance.gateway.migration import ledger as migration
@@ -38,6 +38,8 @@ from appliance.gateway.upstream.failures import (
     RerunElsewhere,
     RetryableUpstreamError,
     answer_outcome,
+    break_reason,
+    draining,
     dropped_connection,
     error_event,
     error_message,
@@ -446,22 +448,3 @@ def _unresolved(exc: BaseException, replica: Replica) -> Resolution:
     log.warning("%s failed mid-stream: %s", replica.name, type(exc).__name__)
     return Resolution(error_event(error, f"upstream replica failed mid-stream: {error.message}"),
                       failure_outcome(exc), error.status)
-
-
-def draining(replica: Replica) -> bool:
-    status = getattr(replica, "status", None)
-    return status is not None and (status.planned_restart or status.state in (ReplicaState.DRAINING,
-                                                                             ReplicaState.STOPPING))
-
-
-def break_reason(exc: BaseException, replica: Replica) -> str:
-    """The label of a break: a replica being drained or restarted explains any break; then the break itself."""
-    if draining(replica):
-        return migration.DRAIN
-    if isinstance(exc, StreamBreak):
-        return exc.reason
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return migration.IDLE_TIMEOUT
-    return migration.CONNECTION
-
-
