@@ -167,7 +167,9 @@ def error_event(error: APIError, message: str) -> bytes:
     """An OpenAI error as the stream's last event."""
     return f"data: {json.dumps(error_body(error.status, message, code=error.code))}\n\n".encode()
 
+
 def draining(replica: Replica) -> bool:
+    """Being drained or restarted (planned): what explains a break on it, whatever the break was."""
     status = getattr(replica, "status", None)
     return status is not None and (status.planned_restart or status.state in (ReplicaState.DRAINING,
                                                                              ReplicaState.STOPPING))

@@ -331,14 +331,13 @@ class Upstream:
             raise upstream_failure(exc) from exc
         outcome = answer_outcome(upstream.status, content)
         exchange.settle(outcome)
+        media_type = upstream.headers.get("content-type", "application/json")
         if outcome is Outcome.SERVER_ERROR:
-            self._judge_error_answer(exchange, ConfirmElsewhere(
-                upstream.status, content, upstream.headers.get("content-type", "application/json")), confirmable)
+            self._judge_error_answer(exchange, ConfirmElsewhere(upstream.status, content, media_type), confirmable)
         block = Block(content, content, time.monotonic())
         if outcome is Outcome.SUCCESS:
             exchange.hooks.relayed(block)
-        return Response(content=block.out, status_code=upstream.status,
-                        media_type=upstream.headers.get("content-type", "application/json"),
+        return Response(content=block.out, status_code=upstream.status, media_type=media_type,
                         headers=self._response_headers(exchange))
 
     def _judge_error_answer(self, exchange: Exchange, answer: ConfirmElsewhere, confirmable: bool) -> None:
