@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # the length stays within the demo model's 1024 positions and above the drain test's 1000 generated tokens.
 SERVED_MODEL_NAME = "demo-compose"
 MAX_MODEL_LEN = 1016
+EXTRA_ARGS = "--enforce-eager"  # engines start in a third of the time (tests/integration/harness.py)
 IMAGES = Path(__file__).resolve().parent / "images"
 SERVICES = ["appliance-cpu", "prometheus", "alertmanager"]  # Grafana: no Debian package; see test_compose.py
 
@@ -106,7 +107,8 @@ class ComposeStack:
         self.secrets_dir = self._write_secrets()
         self.appliance_env_file = self.workdir / "appliance.env"
         self.appliance_env_file.write_text(f"APPLIANCE_SERVED_MODEL_NAME={SERVED_MODEL_NAME}\n"
-                                           f"APPLIANCE_ENGINE__MAX_MODEL_LEN={MAX_MODEL_LEN}\n")
+                                           f"APPLIANCE_ENGINE__MAX_MODEL_LEN={MAX_MODEL_LEN}\n"
+                                           f"APPLIANCE_ENGINE__EXTRA_ARGS={EXTRA_ARGS}\n")
 
     def _write_secrets(self) -> Path:
         """docs/compose.md's layout: root-owned files the image's group (10001) can read, nobody else (0440)."""

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.alertmanager import alert_status, delivered
-from tests.compose.stack import MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, SERVICES, ComposeStack
+from tests.compose.stack import EXTRA_ARGS, MAX_MODEL_LEN, REPO, SERVED_MODEL_NAME, SERVICES, ComposeStack
 from tests.polling import eventually
 from tests.processes import paused
 
@@ -59,11 +59,12 @@ def test_the_cpu_profile_builds_the_demo_model_as_its_user_and_streams(compose_s
 
 
 def test_the_env_file_configures_the_model_and_the_engine(compose_stack: ComposeStack) -> None:
-    """Issue 19: the served name and max_model_len set in the operator's env file reach vLLM's command line and
-    the gateway's /v1/models (compose.yaml used to drop them: `demo` and 1024 whatever was configured)."""
+    """Issue 19: the served name, max_model_len and extra args set in the operator's env file reach vLLM's command
+    line and the gateway's /v1/models (compose.yaml used to drop them: `demo` and 1024 whatever was configured)."""
     argv = compose_stack.vllm_server().cmdline()
     assert argv[argv.index("--served-model-name") + 1] == SERVED_MODEL_NAME, argv
     assert argv[argv.index("--max-model-len") + 1] == str(MAX_MODEL_LEN), argv
+    assert EXTRA_ARGS in argv, argv
     card = httpx.get(f"{compose_stack.gateway}/v1/models", timeout=10,
                      headers=compose_stack.client_headers).json()["data"][0]
     assert (card["id"], card["max_model_len"]) == (SERVED_MODEL_NAME, MAX_MODEL_LEN)
