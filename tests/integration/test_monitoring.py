@@ -128,9 +128,15 @@ def test_a_firing_alert_reaches_alertmanager_and_the_appliance_webhook(stack: St
 
 def test_a_killed_engine_fires_its_alert_through_alertmanager_and_resolves_after_the_restart(
         stack: Stack, appliance) -> None:
+    selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-1", alertstate="firing"}'
+    # From a clear start: the replica's start fires the same alert (it is not ready for longer than the `for:`),
+    # and a kill right after it would find that one still firing and pass without checking anything.
+    appliance.wait_ready(timeout=300)
+    eventually(lambda: not stack.query(selector), 60, "the start's alert resolved in Prometheus before the kill")
+    eventually(lambda: not alert_status(stack.alertmanager, "ApplianceReplicaNotReady", "replica-1"), 60,
+               "the start's alert resolved in Alertmanager before the kill")
     victim = appliance.vllm_server_pid(1)
     os.kill(victim, signal.SIGKILL)
-    selector = 'ALERTS{alertname="ApplianceReplicaNotReady", replica="replica-1", alertstate="firing"}'
     eventually(lambda: stack.query(selector), 60, "ApplianceReplicaNotReady firing in Prometheus")
     # 90 s, not 30: Prometheus hands a firing alert to Alertmanager at its next evaluation and Alertmanager takes it
     # at once, but on 2 cores busy with the engines' restart and the compose images building (scripts/test), two CI
