@@ -74,7 +74,9 @@ def storm(request: pytest.FixtureRequest):
     registry = CollectorRegistry() if workers == 1 else MergedRegistry()
     settings = Settings(served_model_name="demo", request_timeout_seconds=10, upstream_idle_timeout_seconds=1,
                         gateway={"workers": workers},
-                        admission={"max_limit": 3, "initial_limit": 3, "max_queue": 64, "queue_timeout_seconds": 5},
+                        # 2 s: a drawn ejection outlasts it once the replica's strikes have doubled its period a
+                        # few times, and its continuations then wait this long and give up (an error event)
+                        admission={"max_limit": 3, "initial_limit": 3, "max_queue": 64, "queue_timeout_seconds": 2},
                         routing={"metrics_poll_seconds": 0.2, "migration_limit": 2, "eject_base_seconds": 0.3})
     app = create_app(settings, replicas=lambda: fleet, registry=registry)
     watch = DrainWatch(app)
