@@ -37,8 +37,8 @@ def abort_processes(root_pid: int, *, server: bool) -> None:
 
 
 def describe_tree(root_pid: int) -> list[str]:
-    """Each process of an engine's tree with its state and where the kernel has it wait: what a hung start leaves
-    in the logs for whoever finds out why."""
+    """Each process of an engine's tree with its state, where the kernel has it wait and the CPU time it used:
+    what a hung start leaves in the logs for whoever finds out why."""
     try:
         root = psutil.Process(root_pid)
         processes = [root, *root.children(recursive=True)]
@@ -50,11 +50,14 @@ def describe_tree(root_pid: int) -> list[str]:
             with process.oneshot():
                 command = " ".join(process.cmdline()[:4])
                 state, threads = process.status(), process.num_threads()
+                times = process.cpu_times()
         except psutil.Error:
             continue
         try:
             wchan = Path(f"/proc/{process.pid}/wchan").read_text().strip() or "-"
         except OSError:
             wchan = "?"
-        described.append(f"pid {process.pid} {state} in {wchan}, {threads} thread(s): {command}")
+        # CPU seconds tell a spin (about all the time it had) from a process the scheduler left runnable
+        cpu = times.user + times.system
+        described.append(f"pid {process.pid} {state} in {wchan}, {cpu:.1f}s CPU, {threads} thread(s): {command}")
     return described

@@ -80,6 +80,21 @@ def test_the_description_names_every_process_with_its_state_and_wait(tree) -> No
     assert all(" in " in line and "thread(s): " in line and "layer.py" in line for line in described)
 
 
+def test_the_description_says_how_much_cpu_each_process_used() -> None:
+    """A hung start's processes: one that spins shows about all the time it had, one never scheduled none."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        process = psutil.Process(spinner.pid)
+        while sum(process.cpu_times()[:2]) < 0.3:
+            time.sleep(0.05)
+        (line,) = describe_tree(spinner.pid)
+        cpu = float(line.split(", ")[1].removesuffix("s CPU"))
+        assert cpu >= 0.3, line
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def test_a_tree_that_is_gone_is_said_so_and_not_signalled() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
