@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "integration-admin"
 SHARED_ENV = {
     "APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN,
-    # An engine restarts in 45-85 s on an idle machine (over 200 s on a busy one): requests that find no
+    # An engine restarts in 23-35 s (eager, harness.py) and in minutes on a busy host: requests that find no
     # routable replica during a planned restart (test_rolling_restart.py) wait in the gateway queue that long
     # instead of getting a 429. No other test queues for long: their concurrency stays under the limits.
     "APPLIANCE_ADMISSION__QUEUE_TIMEOUT_SECONDS": "300",

@@ -8,7 +8,7 @@ replicas never drop below min_ready_replicas (1) because of anything the applian
 makes its replica ready and never gets a client request; every replica is back at the end; no zombie while it
 runs and no engine process left after it stops. The counts are printed (pytest -s) for the record.
 
-About 4-6 minutes on the 2-core CI machine (three engine starts); run under the heavy lock.
+About 3-5 minutes on the 2-core CI machine (three engine starts); run under the heavy lock.
 """
 
 from __future__ import annotations

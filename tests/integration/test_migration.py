@@ -15,7 +15,7 @@ break; the demo model is tiny and has many near ties. The test requires every st
 identical to the undisturbed run in full (a continuation from wrong tokens would change all of them at their
 break), and prints how many are identical and where the others part from the undisturbed text.
 
-The SIGKILL test: about a minute of streaming plus one engine restart (45-200 s), back before it ends. The restart
+The SIGKILL test: about a minute of streaming plus one engine restart (25-100 s), back before it ends. The restart
 test: one appliance start plus a minute of streaming; the appliance stops while the replica restarts.
 """
 

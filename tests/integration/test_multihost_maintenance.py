@@ -48,7 +48,7 @@ def test_node_restarts_in_one_window_never_overlap_nor_drop_below_min_ready(demo
     dns = TestDNSServer().start()
     engine_port = free_port_range(2)
     gateway_base = free_port_range(2)  # the gateway's port (base + 1) is known before it starts
-    cron, window_start = window_opening_in(0)  # opens within a minute, while the engines load (30-90 s here)
+    cron, window_start = window_opening_in(0)  # opens within a minute, while the engines load (25-60 s here)
     common = {"APPLIANCE_ADMIN_TOKEN": ADMIN_TOKEN, "APPLIANCE_DISCOVERY__INTERVAL_SECONDS": str(INTERVAL),
               "APPLIANCE_MAINTENANCE__MIN_READY_REPLICAS": "1", "APPLIANCE_ENGINE__START_TIMEOUT_SECONDS": "600"}
     gateway = ApplianceProcess(model=demo_model_int8, state_dir=tmp_path / "gateway", replicas=1,
