@@ -111,8 +111,9 @@ class GatewaySettings(BaseModel):
         30.0, ge=0, le=3600, description="How long the estimate of work no engine reported (a non-streaming answer "
         "whose client left or timed out, a stream's unread tail) waits for its replica to come to rest, to be "
         "charged to its tenant as the engine's own counters say instead (docs/tenants.md, 'Work no engine "
-        "reported'). A tenant's token counters lag such work by at most this long; quotas and fair share take the "
-        "estimate at once. 0: charged as estimated at once."
+        "reported'). A tenant's token counters lag such work by at most this long (ten times as long while its "
+        "replica does not answer the poll: its engine restarting); quotas and fair share take the estimate at "
+        "once. 0: charged as estimated at once."
     )
 
     @field_validator(*(pair.file for pair in SECRET_PAIRS), mode="before")

@@ -256,6 +256,57 @@ def test_a_restart_or_a_replica_gone_charges_what_it_held_as_estimated() -> None
     assert (ledger.charges["a"], ledger.charges["b"]) == (15, 17)
 
 
+def dead_engine(gap: float, reported: tuple[int, int] = (0, 0)) -> Ledger:
+    """r0's engine counted 10 prompt and 20 completion tokens a second until it died, ``gap`` seconds after its last
+    reading, holding two estimates of 10 + 30 (broken requests that ran again elsewhere); a new process follows."""
+    ledger, engine = Ledger(), Engine()
+    ledger.read("r0", engine)
+    engine.prompt, engine.generation, engine.running = 10, 20, 2
+    ledger.read("r0", engine)
+    ledger.rec.charged("r0", *reported)
+    ledger.rec.unseen("r0", "a", 1, prompt=10, completion=30, room=100)
+    ledger.rec.unseen("r0", "b", 1, prompt=10, completion=30, room=100)
+    ledger.clock.advance(gap)
+    ledger.rec.observe("r0", None)  # the first poll it does not answer
+    ledger.read("r0", Engine(), 3)  # a new process: its counters from 0
+    return ledger
+
+
+def test_a_dead_engine_s_estimates_are_charged_no_more_than_it_can_have_made() -> None:
+    """Its rise since the last rest (10, 20) plus its rate over the gap (0.5 s: 5, 10), less what reports covered:
+    (15, 30) of the 20 + 60 estimated. Each estimate within its own; the others' shares never above theirs."""
+    ledger = dead_engine(0.5)
+    assert ledger.charges["a"] + ledger.charges["b"] == 15 + 30
+    assert max(ledger.charges.values()) <= 10 + 30
+    assert ledger.rec.unseen_charged[("r0", "estimate")] == 2
+    reported = dead_engine(0.5, reported=(6, 20))  # a stream's leg reported there: not the estimates' work
+    assert reported.charges["a"] + reported.charges["b"] == (15 - 6) + (30 - 20)
+
+
+def test_a_dead_engine_that_can_have_made_more_charges_the_estimates_as_they_are() -> None:
+    ledger = dead_engine(5.0)  # its rate over 5 s: more than the estimates
+    assert (ledger.charges["a"], ledger.charges["b"]) == (40, 40)
+
+
+def test_a_replica_that_stops_answering_holds_its_estimates_until_its_new_process_answers() -> None:
+    """An engine restarting for longer than the hold (vLLM: a minute or more): its held estimates wait for the new
+    process's first reading, and take its death's bound then, instead of expiring as they are meanwhile."""
+    ledger, engine = Ledger(hold=30.0), Engine()
+    ledger.read("r0", engine)
+    engine.prompt, engine.generation, engine.running = 10, 20, 2
+    ledger.read("r0", engine)
+    ledger.rec.unseen("r0", "a", 1, prompt=20, completion=60, room=100)
+    ledger.clock.advance(0.5)
+    ledger.rec.observe("r0", None)
+    for _ in range(90):  # 90 s without an answer
+        ledger.clock.advance(1.0)
+        ledger.rec.observe("r0", None)
+        ledger.rec.expire()
+    assert ledger.charges["a"] == 0 and len(ledger.rec._rests["r0"].held) == 1
+    ledger.read("r0", Engine())
+    assert ledger.charges["a"] == 15 + 30  # its bound: 10 + 10 x 0.5 prompt, 20 + 20 x 0.5 completion (of 80)
+
+
 def test_without_a_hold_an_estimate_is_charged_at_once() -> None:
     ledger, engine = Ledger(hold=0.0), Engine()
     ledger.read("r0", engine)
@@ -357,13 +408,15 @@ def request(metering: Metering, engine: Engine, rng: random.Random, replica: str
     hooks.finished(End(status, Outcome.SUCCESS if ends == "whole" else Outcome.ABORTED, True, at + 0.5))
 
 
-@pytest.mark.parametrize("hold", [1e9, 3.0])
-def test_a_seeded_storm_settles_every_unseen_request_once_and_both_sides_meet(hold: float) -> None:
+@pytest.mark.parametrize(("hold", "deaths"), [(1e9, False), (3.0, False), (1e9, True)],
+                         ids=["long-hold", "short-hold", "engines-die"])
+def test_a_seeded_storm_settles_every_unseen_request_once_and_both_sides_meet(hold: float, deaths: bool) -> None:
     """Requests of every ending on two replicas at once, readings at random moments (some unanswered), pauses
     where a replica comes to rest: at the end every unseen request was charged exactly once. Where none waited
     past the hold, all were charged from the engine's count and both sides are equal to the token; with a short
     hold, the ones charged as estimated were topped up where short, so the tenants' side is never below the
-    engine's."""
+    engine's. With engines that die now and then (an unanswered poll, then a new process counting from 0; the
+    requests open there go on counting on the dead one), still every unseen request is charged exactly once."""
     rng = random.Random(20261206)
     for _round in range(5):
         ledger = Ledger(hold=hold)
@@ -380,9 +433,15 @@ def test_a_seeded_storm_settles_every_unseen_request_once_and_both_sides_meet(ho
         for name, engine in engines.items():
             ledger.read(name, engine)
         open_requests: list[Iterator[None]] = []
+        died = 0
         for _step in range(3000):
             roll = rng.random()
-            if roll < 0.08:
+            if deaths and roll < 0.004:
+                name = rng.choice(list(engines))
+                ledger.clock.advance(rng.uniform(0.1, 1.0))
+                ledger.rec.observe(name, None)
+                engines[name], died = Engine(), died + 1
+            elif roll < 0.08:
                 name = rng.choice(list(engines))
                 open_requests.append(request(metering, engines[name], rng, name, ledger))
             elif roll < 0.2:
@@ -403,9 +462,12 @@ def test_a_seeded_storm_settles_every_unseen_request_once_and_both_sides_meet(ho
         for name in engines:
             charged = ledger.rec.unseen_charged
             assert charged[(name, "engine")] + charged[(name, "estimate")] == told[name], name
+            if deaths:
+                continue
             if hold > 1e6:
                 assert charged[(name, "estimate")] == 0, name  # every one waited for a rest and the engine's count
                 assert ledger.rec.drift(name) == (0, 0), name
             else:
                 assert min(ledger.rec.drift(name)) >= 0, name
         assert estimated(registry) > 0
+        assert died > 0 or not deaths

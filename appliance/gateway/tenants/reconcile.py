@@ -27,8 +27,14 @@ shared external engine's other clients) shows as drift, as it should.
 Work the gateway never saw (a non-streaming answer left or timed out, a stream's unread tail) is charged from an
 estimate. Held for up to ``hold_seconds`` on its replica (``unseen``), it is charged instead as the engine counted
 it when the replica next comes to rest (``settlement``): then both sides meet exactly, and the tenants' counters hold
-what the engines did. ``appliance_tenant_unseen_requests_total{replica, charged}`` says how each was charged
-(``engine``: its share of what the engine counted; ``estimate``: as estimated), and
+what the engines did. A replica whose engine died comes to no rest: what its counters rose by after their last
+reading died with them. Its held estimates are charged as estimated, but all together no more than that engine can
+have made beyond what was charged there: its rise since its last rest plus its last rate over the time from its last
+reading to the first poll it did not answer (``_settle_death``). A request that was still queued in the engine when
+it died, and ran again elsewhere, is not charged twice for it.
+
+``appliance_tenant_unseen_requests_total{replica, charged}`` says how each unseen request was charged (``engine``:
+its share of what the engine counted; ``estimate``: as estimated, or within a dead engine's bound), and
 ``appliance_tenant_unseen_held{replica}`` how many wait for a rest.
 """
 
@@ -43,13 +49,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from appliance.engine.load import EngineLoad
-from appliance.gateway.tenants.settlement import Unseen, settle
+from appliance.gateway.tenants.settlement import Unseen, apportion, settle
 
 KINDS = ("prompt", "completion")
 SIDES = ("engine", "tenants")
 # Estimates charged past the hold that a replica keeps for its next rest's top-ups; a replica busy for longer
 # (about an hour of 1 such request a second) drops them, and its interval's estimates stand
 MAX_EXPIRED = 4096
+# A replica that stops answering the poll (its engine died and restarts: a minute or more) holds its estimates this
+# many times as long, for its death's bound to apply to them when its new process first answers
+SILENT_HOLD_FACTOR = 10
 ENGINE, ESTIMATE = "engine", "estimate"  # how an unseen request was charged: its share of the engine's count, or not
 
 Charge = Callable[[str, int], None]  # tenant, tokens: the tenants' accounting of work no engine reported
@@ -92,6 +101,9 @@ class Reconciliation(Collector):
         self.tenants: dict[str, list[float]] = {}  # replica -> [prompt, completion] charged for work there
         self.finished: dict[str, list[float]] = {}  # replica -> sequences finished: [engine's count, reported]
         self._last: dict[str, tuple[float, float, float | None]] = {}  # replica -> its counters at its last reading
+        self._read_at: dict[str, float] = {}  # replica -> when its last reading came
+        self._rates: dict[str, tuple[float, float]] = {}  # replica -> its counters' rise a second between its last two
+        self._silent: dict[str, float] = {}  # replica -> its first unanswered poll since its last reading
         self._rests: dict[str, _Rest] = {}
         self._told: Counter[str] = Counter()  # replica -> charges and estimates told for it
         self.unseen_charged: Counter[tuple[str, str]] = Counter()  # (replica, how) -> unseen requests charged
@@ -104,20 +116,28 @@ class Reconciliation(Collector):
     def observe(self, name: str, load: EngineLoad | None) -> None:
         """One poll of ``name``'s /metrics. An unanswered poll or a page without the counters changes nothing:
         the next reading's increase covers the gap (and the replica is not at rest until two readings say so)."""
+        at = self.clock()
         if load is None or load.prompt_tokens_total is None or load.generation_tokens_total is None:
             if name in self._rests:
                 self._rests[name].idle = False
+            if name in self._last:
+                self._silent.setdefault(name, at)
             return
         now = (load.prompt_tokens_total, load.generation_tokens_total, load.finished_total)
-        last = self._last.get(name)
-        self._last[name] = now
+        last, read_at, silent = self._last.get(name), self._read_at.get(name), self._silent.pop(name, None)
+        self._last[name], self._read_at[name] = now, at
         totals = self._side(self.engine, name)
         if last is None or now[0] < last[0] or now[1] < last[1]:
-            # The baseline, or a new engine process whose reading is the new baseline: what was held there is
-            # charged as estimated (its engine's count went with the old process)
+            # The baseline, or a new engine process whose reading is the new baseline (the old one's count went
+            # with it): what was held there is charged as estimated, within what the old engine can have made
+            if last is not None and read_at is not None and silent is not None:
+                self._settle_death(name, silent - read_at)
             self._estimate_held(name)
+            self._rates.pop(name, None)
             self._rests[name] = self._rest_now(name)
             return
+        if read_at is not None and at > read_at:
+            self._rates[name] = ((now[0] - last[0]) / (at - read_at), (now[1] - last[1]) / (at - read_at))
         totals[0] += now[0] - last[0]
         totals[1] += now[1] - last[1]
         if now[2] is not None and last[2] is not None and now[2] >= last[2]:
@@ -176,6 +196,24 @@ class Reconciliation(Collector):
         self._rests[name] = self._rest_now(name)
         self._rests[name].idle, self._rests[name].told = True, self._told[name]
 
+    def _settle_death(self, name: str, gap: float) -> None:
+        """``name``'s engine died within ``gap`` seconds of its last reading: the estimates it held are charged,
+        all together no more than it can have made that no charge covers, each within its own estimate. The
+        bound holds with other clients on the engine too: their work can only widen it."""
+        rest = self._rests.get(name)
+        if rest is None or not rest.held or rest.untracked:
+            return
+        engine, tenants = self._side(self.engine, name), self._side(self.tenants, name)
+        rate = self._rates.get(name, (0.0, 0.0))
+        held, rest.held = rest.held, []
+        estimates = ([item.prompt for item in held], [item.completion for item in held])
+        shares = []
+        for k, caps in enumerate(estimates):
+            room = engine[k] - rest.engine[k] + rate[k] * max(0.0, gap) - (tenants[k] - rest.tenants[k])
+            shares.append(apportion(min(sum(caps), max(0, round(room))), caps, caps))
+        for item, prompt, completion in zip(held, *shares, strict=True):
+            self._charge(name, item, prompt, completion, ESTIMATE)
+
     def _only_ours(self, finished: list[float], rest: _Rest, unseen: list[Unseen]) -> bool:
         """Whether the sequences the engine finished since the last rest can all be this gateway's requests: those
         whose usage came back, and, alone in front of the engine, unseen ones its engine finished just as their
@@ -220,10 +258,12 @@ class Reconciliation(Collector):
 
     def expire(self) -> None:
         """Estimates held longer than ``hold_seconds`` (their replica busy without a pause, or unread) are
-        charged as estimated: a tenant's counters lag its work by at most that long. At the next rest, one that
-        fell short of its share is topped up."""
-        deadline = self.clock() - self.hold_seconds
+        charged as estimated: a tenant's counters lag its work by at most that long (``SILENT_HOLD_FACTOR`` times
+        as long while their replica does not answer). At the next rest, one that fell short of its share is
+        topped up."""
+        now = self.clock()
         for name, rest in self._rests.items():
+            deadline = now - self.hold_seconds * (SILENT_HOLD_FACTOR if name in self._silent else 1)
             if rest.held and rest.held[0].at <= deadline:
                 self._estimate_held(name, before=deadline)
 
@@ -232,7 +272,8 @@ class Reconciliation(Collector):
         tenants' side back until the next poll forgets it again)."""
         for name in [name for name in self._rests if name not in names]:
             self._estimate_held(name)
-        for table in (self.engine, self.tenants, self.finished, self._last, self._rests, self._told):
+        for table in (self.engine, self.tenants, self.finished, self._last, self._read_at, self._rates, self._silent,
+                      self._rests, self._told):
             for name in [name for name in table if name not in names]:
                 del table[name]
         self.expire()
@@ -267,7 +308,8 @@ class Reconciliation(Collector):
             "appliance_tenant_unseen_requests", "Requests with work no engine reported (a non-streaming answer left "
             "or timed out, a stream's unread tail), by replica and how they were charged: charged=engine, their "
             "share of what the engine counted once its replica came to rest; charged=estimate, the gateway's "
-            "estimate (no rest in time, or the engine's counters held other work).", labels=["replica", "charged"])
+            "estimate (no rest in time, or the engine's counters held other work; where its engine died, within what "
+            "that engine can have made).", labels=["replica", "charged"])
         for (name, how), count in sorted(self.unseen_charged.items()):
             unseen.add_metric([name, how], count)
         yield unseen
