@@ -114,8 +114,9 @@ class Reconciliation(Collector):
         self.other_gateways = other_gateways
 
     def observe(self, name: str, load: EngineLoad | None) -> None:
-        """One poll of ``name``'s /metrics. An unanswered poll or a page without the counters changes nothing:
-        the next reading's increase covers the gap (and the replica is not at rest until two readings say so)."""
+        """One poll of ``name``'s /metrics. An unanswered poll or a page without the counters changes no total:
+        the next reading's increase covers the gap (and the replica is not at rest until two readings say so); the
+        first since a reading is kept, the moment its engine was gone by if a new process answers next."""
         at = self.clock()
         if load is None or load.prompt_tokens_total is None or load.generation_tokens_total is None:
             if name in self._rests:
