@@ -178,13 +178,12 @@ class Reconciliation(Collector):
         rest.idle, rest.told = idle, self._told[name]
         if not at_rest:
             return
-        engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
         finished = self.finished.get(name, [0.0, 0.0])
         shares, unseen = None, rest.expired + rest.held
         if unseen and not rest.untracked and self._only_ours(finished, rest, unseen):
             estimated = (sum(item.prompt for item in rest.expired), sum(item.completion for item in rest.expired))
-            shares = settle(unseen, *((engine[k] - rest.engine[k]) - (tenants[k] - rest.tenants[k] - estimated[k])
-                                      for k in (0, 1)))
+            uncovered = self._uncovered(name, rest)
+            shares = settle(unseen, *(uncovered[k] + estimated[k] for k in (0, 1)))
         if shares is None:
             self._estimate_held(name)
         else:
@@ -204,16 +203,21 @@ class Reconciliation(Collector):
         rest = self._rests.get(name)
         if rest is None or not rest.held or rest.untracked:
             return
-        engine, tenants = self._side(self.engine, name), self._side(self.tenants, name)
-        rate = self._rates.get(name, (0.0, 0.0))
+        rate, uncovered = self._rates.get(name, (0.0, 0.0)), self._uncovered(name, rest)
         held, rest.held = rest.held, []
         estimates = ([item.prompt for item in held], [item.completion for item in held])
         shares = []
         for k, caps in enumerate(estimates):
-            room = engine[k] - rest.engine[k] + rate[k] * max(0.0, gap) - (tenants[k] - rest.tenants[k])
+            room = uncovered[k] + rate[k] * max(0.0, gap)
             shares.append(apportion(min(sum(caps), max(0, round(room))), caps, caps))
         for item, prompt, completion in zip(held, *shares, strict=True):
             self._charge(name, item, prompt, completion, ESTIMATE)
+
+    def _uncovered(self, name: str, rest: _Rest) -> tuple[float, float]:
+        """What ``name``'s engine counted since ``rest`` beyond everything charged there since, per kind."""
+        engine, tenants = self.engine.get(name, [0.0, 0.0]), self.tenants.get(name, [0.0, 0.0])
+        prompt = (engine[0] - rest.engine[0]) - (tenants[0] - rest.tenants[0])
+        return prompt, (engine[1] - rest.engine[1]) - (tenants[1] - rest.tenants[1])
 
     def _only_ours(self, finished: list[float], rest: _Rest, unseen: list[Unseen]) -> bool:
         """Whether the sequences the engine finished since the last rest can all be this gateway's requests: those
